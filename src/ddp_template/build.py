@@ -1,0 +1,54 @@
+"""Config -> Lightning objects: strategy, callbacks, logger, Trainer."""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+
+import lightning as L
+from hydra.utils import instantiate
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+from omegaconf import DictConfig, OmegaConf
+
+# Keys of the strategy group that are ours, not DistributedDataParallel's.
+_STRATEGY_KEYS = {"name", "process_group_backend", "timeout"}
+
+
+def build_strategy(cfg: DictConfig) -> Strategy | str:
+    """`strategy=auto` stays Lightning's "auto" for one process and becomes DDP for several."""
+    options = OmegaConf.to_container(cfg.strategy, resolve=True)
+    name = options["name"]
+    if name == "auto":
+        return DDPStrategy() if world_size(cfg) > 1 else "auto"
+    ddp_kwargs = {key: value for key, value in options.items() if key not in _STRATEGY_KEYS}
+    return DDPStrategy(
+        start_method="spawn" if name == "ddp_spawn" else "popen",
+        process_group_backend=options["process_group_backend"],
+        timeout=timedelta(seconds=options["timeout"]),
+        **ddp_kwargs,
+    )
+
+
+def world_size(cfg: DictConfig) -> int:
+    return int(cfg.devices) * int(cfg.num_nodes)
+
+
+def build_trainer(cfg: DictConfig) -> L.Trainer:
+    trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
+    if trainer_args.get("enable_progress_bar") is None:
+        # A live bar only on a terminal; log files get one line per epoch instead.
+        trainer_args["enable_progress_bar"] = sys.stdout.isatty()
+    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
+    logger = instantiate(cfg.logger) if cfg.get("logger") else False
+    return L.Trainer(
+        accelerator=cfg.accelerator,
+        devices=cfg.devices,
+        num_nodes=cfg.num_nodes,
+        precision=cfg.precision,
+        strategy=build_strategy(cfg),
+        sync_batchnorm=cfg.sync_batchnorm,
+        callbacks=callbacks,
+        logger=logger,
+        default_root_dir=cfg.paths.output_dir,
+        **trainer_args,
+    )

@@ -1,0 +1,1 @@
+"""Callbacks the configs in conf/callbacks/ refer to."""

@@ -1,0 +1,15 @@
+"""One line per epoch on rank 0 when there is no progress bar (log files, pipes, clusters)."""
+
+from __future__ import annotations
+
+import lightning as L
+
+
+class EpochSummary(L.Callback):
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.is_global_zero or trainer.progress_bar_callback is not None:
+            return
+        shown = ("train/loss", "train/acc", "val/loss", "val/acc", "perf/samples_per_sec")
+        metrics = trainer.callback_metrics
+        parts = [f"{key} {float(metrics[key]):.4g}" for key in shown if key in metrics]
+        print(f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs}  " + "  ".join(parts), flush=True)

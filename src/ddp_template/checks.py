@@ -1,0 +1,209 @@
+"""Every value a run depends on, checked before any worker process starts.
+
+`check_config` resolves the values that depend on the machine (accelerator, devices) in
+place, so that every worker reads the same concrete config, and raises `ConfigError` with
+the key, the bad value, what is allowed and how to fix it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+import zipfile
+from pathlib import Path
+
+import lightning as L
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, open_dict
+
+from ddp_template.errors import ConfigError
+from ddp_template.launch import processes_started_externally
+
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+PRECISIONS = ("32-true", "32", "16-mixed", "bf16-mixed", "64-true", "64", "16-true", "bf16-true")
+STRATEGIES = ("auto", "ddp", "ddp_spawn")
+# Trainer arguments that are top-level switches or built from their own config groups.
+TRAINER_ARGS_ELSEWHERE = {
+    "accelerator",
+    "strategy",
+    "devices",
+    "num_nodes",
+    "precision",
+    "logger",
+    "callbacks",
+    "sync_batchnorm",
+    "default_root_dir",
+}
+
+
+def check_config(cfg: DictConfig) -> None:
+    with open_dict(cfg):
+        cfg.accelerator = _resolve_accelerator(cfg.accelerator)
+        cfg.devices = _resolve_devices(cfg.devices, cfg.accelerator)
+    _check_whole_number("num_nodes", cfg.num_nodes, minimum=1)
+    _check_precision(cfg.precision)
+    _check_strategy(cfg)
+    _check_trainer_args(cfg)
+    _check_loader(cfg.data)
+    _check_task_data(cfg)
+    _check_sync_batchnorm(cfg)
+    if cfg.ckpt_path is not None:
+        check_checkpoint_file(cfg.ckpt_path)
+
+
+def _resolve_accelerator(value: object) -> str:
+    if value not in ACCELERATORS:
+        raise ConfigError("accelerator", value, f"one of {', '.join(ACCELERATORS)}", "e.g. accelerator=cpu")
+    if value == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        return "mps" if torch.backends.mps.is_available() else "cpu"
+    if value in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ConfigError(
+            "accelerator", value, "a GPU, and torch sees none on this machine", "use accelerator=cpu"
+        )
+    return "cuda" if value == "gpu" else str(value)
+
+
+def _resolve_devices(value: object, accelerator: str) -> int:
+    if value == "auto":
+        return torch.cuda.device_count() if accelerator == "cuda" else 1
+    _check_whole_number("devices", value, minimum=1, allowed="a whole number >= 1 or 'auto'")
+    if accelerator == "cuda" and value > torch.cuda.device_count():
+        raise ConfigError(
+            "devices",
+            value,
+            f"at most the {torch.cuda.device_count()} GPUs visible here",
+            "lower devices or use more nodes",
+        )
+    return int(value)
+
+
+def _check_whole_number(key: str, value: object, minimum: int, allowed: str | None = None) -> None:
+    is_int = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if not is_int or value < minimum:
+        raise ConfigError(
+            key, value, allowed or f"a whole number >= {minimum}", f"e.g. {key}={max(minimum, 1)}"
+        )
+
+
+def _check_precision(value: object) -> None:
+    if str(value) not in PRECISIONS:
+        raise ConfigError(
+            "precision",
+            value,
+            "one of Lightning's names: 32-true, 16-mixed, bf16-mixed, 64-true, 16-true, bf16-true",
+            "e.g. precision=bf16-mixed",
+        )
+
+
+def _check_strategy(cfg: DictConfig) -> None:
+    strategy = cfg.strategy
+    if strategy.name not in STRATEGIES:
+        raise ConfigError("strategy", strategy.name, f"one of {', '.join(STRATEGIES)}", "e.g. strategy=ddp")
+    if cfg.num_nodes > 1 and not processes_started_externally():
+        raise ConfigError(
+            "num_nodes",
+            cfg.num_nodes,
+            "1 for the plain command: several nodes need a launcher that starts the processes",
+            "start every node with torchrun (or srun), as shown in the README",
+        )
+    if strategy.name == "auto":
+        return
+    bucket = strategy.bucket_cap_mb
+    if bucket is not None and (not isinstance(bucket, numbers.Real) or bucket <= 0):
+        raise ConfigError(
+            "strategy.bucket_cap_mb", bucket, "a size in MiB > 0, or null for PyTorch's default", "e.g. 25"
+        )
+    timeout = strategy.timeout
+    if not isinstance(timeout, numbers.Real) or timeout <= 0:
+        raise ConfigError("strategy.timeout", timeout, "seconds > 0", "e.g. strategy.timeout=1800")
+    backend = strategy.process_group_backend
+    if backend not in (None, "gloo", "nccl", "mpi"):
+        raise ConfigError(
+            "strategy.process_group_backend", backend, "null, gloo, nccl or mpi", "leave it null"
+        )
+    if backend == "nccl" and cfg.accelerator != "cuda":
+        raise ConfigError(
+            "strategy.process_group_backend", backend, "nccl needs CUDA devices", "use gloo on CPUs"
+        )
+    for key in ("gradient_as_bucket_view", "static_graph", "find_unused_parameters"):
+        if not isinstance(strategy[key], bool):
+            raise ConfigError(f"strategy.{key}", strategy[key], "true or false", f"strategy.{key}=false")
+
+
+def _check_trainer_args(cfg: DictConfig) -> None:
+    known = set(inspect.signature(L.Trainer.__init__).parameters) - {"self"}
+    for key in cfg.trainer:
+        if key in TRAINER_ARGS_ELSEWHERE:
+            raise ConfigError(
+                f"trainer.{key}", cfg.trainer[key], "set as a top-level switch", f"use `{key}=...`"
+            )
+        if key not in known:
+            raise ConfigError(
+                f"trainer.{key}", cfg.trainer[key], "a lightning.Trainer argument", "check the spelling"
+            )
+
+
+def _check_loader(data: DictConfig) -> None:
+    _check_whole_number("data.batch_size", data.batch_size, minimum=1)
+    _check_whole_number("data.num_workers", data.num_workers, minimum=0)
+    prefetch = data.prefetch_factor
+    if prefetch is not None:
+        _check_whole_number("data.prefetch_factor", prefetch, minimum=1)
+        if data.num_workers == 0:
+            raise ConfigError(
+                "data.prefetch_factor",
+                prefetch,
+                "only with data.num_workers > 0 (batches are prefetched by workers)",
+                "set data.num_workers or leave data.prefetch_factor=null",
+            )
+    for key in ("pin_memory", "drop_last", "persistent_workers"):
+        if not isinstance(data[key], bool):
+            raise ConfigError(f"data.{key}", data[key], "true or false", f"data.{key}=false")
+
+
+def _check_task_data(cfg: DictConfig) -> None:
+    data_name = cfg.data.get("name")
+    if data_name not in cfg.task.datasets:
+        raise ConfigError(
+            "data",
+            data_name,
+            f"a data set of task={cfg.task.name}: {', '.join(cfg.task.datasets)}",
+            f"pick one of those, or a task that reads {data_name}",
+        )
+    # Building the DataModule reads no data; it checks paths and options up front.
+    instantiate(cfg.task.datamodule, **cfg.data)
+
+
+def _check_sync_batchnorm(cfg: DictConfig) -> None:
+    if cfg.sync_batchnorm and cfg.accelerator != "cuda":
+        raise ConfigError(
+            "sync_batchnorm",
+            True,
+            f"SyncBatchNorm needs CUDA devices (accelerator={cfg.accelerator}); torch raises "
+            "'SyncBatchNorm layers only work with GPU modules' otherwise",
+            "drop sync_batchnorm=true on CPU runs",
+        )
+
+
+def check_checkpoint_file(path: str) -> None:
+    """Exists, and is a complete torch.save archive (a truncated file has no zip directory)."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError("ckpt_path", path, "an existing checkpoint file", "check the path")
+    try:
+        with zipfile.ZipFile(file) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError) as err:
+        raise ConfigError(
+            "ckpt_path",
+            path,
+            f"a complete Lightning checkpoint; this file cannot be read ({err})",
+            "use another checkpoint, e.g. last.ckpt of the run",
+        ) from None
+    if not any(name.endswith("data.pkl") for name in names):
+        raise ConfigError(
+            "ckpt_path", path, "a torch.save checkpoint; this archive holds none", "check the path"
+        )

@@ -1,0 +1,22 @@
+"""Errors meant for the person at the keyboard: one paragraph, no traceback."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class UserFacingError(Exception):
+    """A problem the user can fix; printed as its message alone."""
+
+
+class ConfigError(UserFacingError):
+    """A config value that cannot work, found before any worker process starts."""
+
+    def __init__(self, key: str, value: Any, allowed: str, fix: str) -> None:
+        self.key = key
+        self.value = value
+        super().__init__(f"{key}={value!r} is not valid: {allowed}. Fix: {fix}")
+
+
+class WorkerFailed(UserFacingError):
+    """A worker process of the job failed; the message names the rank and its log."""

@@ -1,0 +1,87 @@
+"""How the worker processes of one job come to be.
+
+Each Hydra job starts its own workers through PyTorch's elastic agent (the engine behind
+torchrun), handing them the job's resolved config. Workers never re-read `sys.argv`, so a
+Hydra multirun sweep stays one sweep. The agent gives each job a free rendezvous port,
+per-rank log files, restarts and the failing rank's traceback. When the processes were
+created outside (torchrun), the job trains in the process it is in.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from ddp_template.errors import WorkerFailed
+
+Worker = Callable[[dict[str, Any]], Any]
+
+
+def processes_started_externally() -> bool:
+    """torchrun (or another elastic agent) already made one process per device."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+class JobLogsSpecs(DefaultLogsSpecs):
+    """The agent's layout, `logs/attempt_<N>/<local rank>/{stdout,stderr}.log`, directly in
+    the job folder (the default adds a random sub-folder per launch)."""
+
+    def _make_log_dir(self, log_dir: str | None, rdzv_run_id: str) -> str:
+        os.makedirs(str(log_dir), exist_ok=True)
+        return str(log_dir)
+
+
+def launch(
+    worker: Worker,
+    config: dict[str, Any],
+    nproc_per_node: int,
+    job_dir: Path,
+    max_restarts: int = 0,
+) -> Any:
+    """Runs `worker(config)` once per local device and returns rank 0's return value."""
+    if nproc_per_node == 1 or processes_started_externally():
+        return worker(config)
+
+    # A fresh rendezvous store for each attempt: with the agent's shared store, restarted
+    # gloo workers read the dead workers' addresses and fail to connect (or hang).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    log_dir = job_dir / "logs"
+    launch_config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc_per_node,
+        run_id=f"job-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        # Port 0: the agent picks a free port, so jobs side by side never clash.
+        rdzv_endpoint="localhost:0",
+        max_restarts=max_restarts,
+        monitor_interval=0.5,
+        start_method="spawn",
+        logs_specs=JobLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL, tee={0: Std.ALL}),
+        log_line_prefix_template="[rank${rank}] ",
+    )
+    try:
+        returns = elastic_launch(launch_config, worker)(config)
+    except ChildFailedError as failure:
+        raise WorkerFailed(describe_failure(failure)) from None
+    return returns[0]
+
+
+def describe_failure(error: ChildFailedError) -> str:
+    rank, failure = error.get_first_failure()
+    if failure.exitcode < 0:
+        cause = f"was killed by {failure.signal_name()}"
+    else:
+        message = failure.message if isinstance(failure.message, str) else ""
+        first_line = message.strip().splitlines()[-1] if message.strip() else ""
+        cause = f"exited with code {failure.exitcode}" + (f": {first_line}" if first_line else "")
+    log_folder = Path(failure.error_file).parent if failure.error_file else None
+    where = f" Its output is in {log_folder}/ (stdout.log, stderr.log)." if log_folder else ""
+    return f"Worker rank {rank} (pid {failure.pid}) {cause}.{where}"

@@ -1,0 +1,149 @@
+"""One run, top to bottom: compose -> check -> launch -> fit, test -> results.
+
+`python train.py <overrides>` lands in `main`. The config is checked in the launching
+process; each worker (one per device) then runs `fit_and_test` on the resolved config.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from ddp_template import resolvers
+from ddp_template.errors import UserFacingError
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+
+resolvers.register()
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    return run(cfg)
+
+
+def run(cfg: DictConfig) -> float | None:
+    """Checks the config, starts the workers and returns the metric a sweep optimises."""
+    from ddp_template.checks import check_config
+    from ddp_template.launch import launch
+    from ddp_template.results import print_summary
+
+    try:
+        check_config(cfg)
+        config = OmegaConf.to_container(cfg, resolve=True)
+        results = launch(
+            fit_and_test,
+            config,
+            nproc_per_node=processes_per_node(cfg),
+            job_dir=Path(cfg.paths.output_dir),
+        )
+    except UserFacingError as err:
+        return _report(err)
+    if not results:
+        return None
+    print_summary(results)
+    return results.get(cfg.optimized_metric)
+
+
+def processes_per_node(cfg: DictConfig) -> int:
+    """Workers this job starts itself; ddp_spawn starts its own, one process does not."""
+    if cfg.strategy.name == "ddp_spawn":
+        return 1
+    return int(cfg.devices)
+
+
+def _report(err: UserFacingError) -> None:
+    """A single run exits with the message alone; in a sweep the job fails, the rest go on."""
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        raise err
+    print(f"error: {err}", file=sys.stderr)
+    sys.exit(2)
+
+
+@record
+def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
+    """What every rank runs. Returns rank 0's results (None on the other ranks)."""
+    import lightning as L
+    from hydra.utils import instantiate
+
+    from ddp_template.build import build_trainer
+    from ddp_template.results import (
+        RESULTS_FILE,
+        WEIGHTS_FILE,
+        collect_results,
+        export_weights,
+        write_json_atomic,
+    )
+
+    cfg = OmegaConf.create(config)
+    _share_cpu_cores(int(cfg.devices))
+    _quiet_known_warnings()
+    _single_console_handler()
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+
+    datamodule = instantiate(cfg.task.datamodule, **cfg.data, seed=cfg.seed)
+    # Plain containers (not DictConfig) in hyper-parameters keep checkpoints loadable with
+    # torch.load(weights_only=True).
+    module = instantiate(
+        cfg.task.module,
+        num_classes=datamodule.num_classes,
+        in_channels=datamodule.in_channels,
+        _convert_="all",
+    )
+    trainer = build_trainer(cfg)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    # trainer.test replaces callback_metrics: keep what fit measured (throughput, memory).
+    fit_metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
+
+    test_metrics: dict[str, float] = {}
+    if cfg.test:
+        best = trainer.checkpoint_callback and trainer.checkpoint_callback.best_model_path
+        (test_metrics,) = trainer.test(
+            module, datamodule=datamodule, ckpt_path="best" if best else None, verbose=False
+        )
+
+    if not trainer.is_global_zero:
+        return None
+    job_dir = Path(cfg.paths.output_dir)
+    weights = job_dir / WEIGHTS_FILE
+    export_weights(module.model, weights)
+    results = collect_results(cfg, trainer, fit_metrics, test_metrics, weights)
+    write_json_atomic(job_dir / RESULTS_FILE, results)
+    return results
+
+
+def _share_cpu_cores(local_processes: int) -> None:
+    """One rank per core group: without this, N ranks each start a thread per core."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(1, (cores or 1) // max(1, local_processes)))
+
+
+def _single_console_handler() -> None:
+    """Lightning adds a console handler of its own; where Hydra set up logging (in-process
+    runs) that would print every message twice, and Hydra's handlers also write train.log."""
+    import logging
+
+    if logging.getLogger().handlers:
+        logging.getLogger("lightning").handlers.clear()
+
+
+def _quiet_known_warnings() -> None:
+    # In-memory data sets load fastest in the training process; Lightning suggests workers.
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    # SpeedMonitor logs values it already reduced over ranks.
+    warnings.filterwarnings("ignore", ".*self.log\\('perf/.*sync_dist=True.*")
+    # Raised inside Lightning by newer torch releases; nothing a user can act on.
+    warnings.filterwarnings("ignore", ".*isinstance\\(treespec, LeafSpec\\).*")
