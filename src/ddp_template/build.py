@@ -6,9 +6,32 @@ import sys
 from datetime import timedelta
 
 import lightning as L
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from omegaconf import DictConfig, OmegaConf
+
+from ddp_template.errors import ConfigError
+
+
+def build_task(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
+    """The task's DataModule (no data read yet) and LightningModule, sized to the data."""
+    try:
+        datamodule = instantiate(cfg.task.datamodule, **cfg.data, seed=cfg.seed)
+        # Plain containers (not DictConfig) in hyper-parameters keep checkpoints loadable
+        # with torch.load(weights_only=True).
+        module = instantiate(
+            cfg.task.module,
+            num_classes=datamodule.num_classes,
+            in_channels=datamodule.in_channels,
+            _convert_="all",
+        )
+    except InstantiationException as err:
+        if isinstance(err.__cause__, ConfigError):
+            raise err.__cause__ from None
+        raise
+    return datamodule, module
+
 
 # Keys of the strategy group that are ours, not DistributedDataParallel's.
 _STRATEGY_KEYS = {"name", "process_group_backend", "timeout"}

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
 
+from ddp_template.build import build_task
 from ddp_template.errors import ConfigError
 from ddp_template.launch import processes_started_externally
 
@@ -54,14 +54,19 @@ def check_config(cfg: DictConfig) -> None:
 
 def _resolve_accelerator(value: object) -> str:
     if value not in ACCELERATORS:
-        raise ConfigError("accelerator", value, f"one of {', '.join(ACCELERATORS)}", "e.g. accelerator=cpu")
+        raise ConfigError(
+            "accelerator", value, f"one of {', '.join(ACCELERATORS)}", "e.g. accelerator=cpu"
+        )
     if value == "auto":
         if torch.cuda.is_available():
             return "cuda"
         return "mps" if torch.backends.mps.is_available() else "cpu"
     if value in ("gpu", "cuda") and not torch.cuda.is_available():
         raise ConfigError(
-            "accelerator", value, "a GPU, and torch sees none on this machine", "use accelerator=cpu"
+            "accelerator",
+            value,
+            "a GPU, and torch sees none on this machine",
+            "use accelerator=cpu",
         )
     return "cuda" if value == "gpu" else str(value)
 
@@ -101,7 +106,9 @@ def _check_precision(value: object) -> None:
 def _check_strategy(cfg: DictConfig) -> None:
     strategy = cfg.strategy
     if strategy.name not in STRATEGIES:
-        raise ConfigError("strategy", strategy.name, f"one of {', '.join(STRATEGIES)}", "e.g. strategy=ddp")
+        raise ConfigError(
+            "strategy", strategy.name, f"one of {', '.join(STRATEGIES)}", "e.g. strategy=ddp"
+        )
     if cfg.num_nodes > 1 and not processes_started_externally():
         raise ConfigError(
             "num_nodes",
@@ -114,7 +121,10 @@ def _check_strategy(cfg: DictConfig) -> None:
     bucket = strategy.bucket_cap_mb
     if bucket is not None and (not isinstance(bucket, numbers.Real) or bucket <= 0):
         raise ConfigError(
-            "strategy.bucket_cap_mb", bucket, "a size in MiB > 0, or null for PyTorch's default", "e.g. 25"
+            "strategy.bucket_cap_mb",
+            bucket,
+            "a size in MiB > 0, or null for PyTorch's default",
+            "e.g. 25",
         )
     timeout = strategy.timeout
     if not isinstance(timeout, numbers.Real) or timeout <= 0:
@@ -130,7 +140,9 @@ def _check_strategy(cfg: DictConfig) -> None:
         )
     for key in ("gradient_as_bucket_view", "static_graph", "find_unused_parameters"):
         if not isinstance(strategy[key], bool):
-            raise ConfigError(f"strategy.{key}", strategy[key], "true or false", f"strategy.{key}=false")
+            raise ConfigError(
+                f"strategy.{key}", strategy[key], "true or false", f"strategy.{key}=false"
+            )
 
 
 def _check_trainer_args(cfg: DictConfig) -> None:
@@ -142,7 +154,10 @@ def _check_trainer_args(cfg: DictConfig) -> None:
             )
         if key not in known:
             raise ConfigError(
-                f"trainer.{key}", cfg.trainer[key], "a lightning.Trainer argument", "check the spelling"
+                f"trainer.{key}",
+                cfg.trainer[key],
+                "a lightning.Trainer argument",
+                "check the spelling",
             )
 
 
@@ -173,8 +188,9 @@ def _check_task_data(cfg: DictConfig) -> None:
             f"a data set of task={cfg.task.name}: {', '.join(cfg.task.datasets)}",
             f"pick one of those, or a task that reads {data_name}",
         )
-    # Building the DataModule reads no data; it checks paths and options up front.
-    instantiate(cfg.task.datamodule, **cfg.data)
+    # Building the DataModule reads no data and the module only allocates its weights:
+    # both check paths, names and options here, before any worker starts.
+    build_task(cfg)
 
 
 def _check_sync_batchnorm(cfg: DictConfig) -> None:

@@ -101,7 +101,10 @@ def print_summary(results: dict[str, Any]) -> None:
     table.add_column()
     rate = results.get("samples_per_sec")
     rows = [
-        ("devices", f"{results['devices_per_node']} x {results['num_nodes']} node(s), {results['accelerator']}"),
+        (
+            "devices",
+            f"{results['devices_per_node']} x {results['num_nodes']} node(s), {results['accelerator']}",
+        ),
         ("world size", results["world_size"]),
         ("batch per device", results["batch_size_per_device"]),
         (

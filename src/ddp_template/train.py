@@ -73,9 +73,8 @@ def _report(err: UserFacingError) -> None:
 def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     """What every rank runs. Returns rank 0's results (None on the other ranks)."""
     import lightning as L
-    from hydra.utils import instantiate
 
-    from ddp_template.build import build_trainer
+    from ddp_template.build import build_task, build_trainer
     from ddp_template.results import (
         RESULTS_FILE,
         WEIGHTS_FILE,
@@ -90,15 +89,7 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     _single_console_handler()
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
-    datamodule = instantiate(cfg.task.datamodule, **cfg.data, seed=cfg.seed)
-    # Plain containers (not DictConfig) in hyper-parameters keep checkpoints loadable with
-    # torch.load(weights_only=True).
-    module = instantiate(
-        cfg.task.module,
-        num_classes=datamodule.num_classes,
-        in_channels=datamodule.in_channels,
-        _convert_="all",
-    )
+    datamodule, module = build_task(cfg)
     trainer = build_trainer(cfg)
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     # trainer.test replaces callback_metrics: keep what fit measured (throughput, memory).

@@ -12,4 +12,7 @@ class EpochSummary(L.Callback):
         shown = ("train/loss", "train/acc", "val/loss", "val/acc", "perf/samples_per_sec")
         metrics = trainer.callback_metrics
         parts = [f"{key} {float(metrics[key]):.4g}" for key in shown if key in metrics]
-        print(f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs}  " + "  ".join(parts), flush=True)
+        print(
+            f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs}  " + "  ".join(parts),
+            flush=True,
+        )

@@ -29,7 +29,9 @@ def build_resnet(
         raise ConfigError(
             "task.module.model.norm", norm, f"one of {sorted(NORM_LAYERS)}", "e.g. norm=batch"
         )
-    model = models.get_model(arch, weights=None, num_classes=num_classes, norm_layer=NORM_LAYERS[norm])
+    model = models.get_model(
+        arch, weights=None, num_classes=num_classes, norm_layer=NORM_LAYERS[norm]
+    )
     if small_input:
         # 8x8 or 32x32 inputs: a 7x7/2 conv and a max-pool would shrink them to nothing.
         model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)

@@ -78,4 +78,7 @@ class ImageClassifier(L.LightningModule):
             return optimizer
         total_steps = int(self.trainer.estimated_stepping_batches)
         scheduler = self.scheduler_factory(optimizer, total_steps=total_steps)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }

@@ -32,7 +32,9 @@ def split_indices(
 
 def _check_fraction(key: str, value: float) -> None:
     if not 0.0 < value < 1.0:
-        raise ConfigError(f"data.{key}", value, "a fraction between 0 and 1", f"e.g. data.{key}=0.1")
+        raise ConfigError(
+            f"data.{key}", value, "a fraction between 0 and 1", f"e.g. data.{key}=0.1"
+        )
 
 
 @dataclass
@@ -64,17 +66,21 @@ class Digits:
         return Subset(full, train), Subset(full, val), Subset(full, test)
 
 
-class _VerifiedCIFAR10(datasets.CIFAR10):
-    """torchvision's CIFAR10 with the MD5 check made optional (files we write for tests)."""
-
-    verify = True
-
-    def _check_integrity(self) -> bool:
-        if self.verify:
-            return super()._check_integrity()
-        folder = Path(self.root) / self.base_folder
-        names = [name for name, _ in self.train_list + self.test_list]
-        return all((folder / name).is_file() for name in names)
+def _cifar10_class(verify: bool) -> type[datasets.CIFAR10]:
+    """torchvision's CIFAR10, with the MD5 checks of the official files made optional
+    (torchvision checks a file's existence alone when its MD5 is None)."""
+    if verify:
+        return datasets.CIFAR10
+    base = datasets.CIFAR10
+    return type(
+        "CIFAR10Unverified",
+        (base,),
+        {
+            "train_list": [[name, None] for name, _ in base.train_list],
+            "test_list": [[name, None] for name, _ in base.test_list],
+            "meta": {**base.meta, "md5": None},
+        },
+    )
 
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
@@ -96,12 +102,12 @@ class CIFAR10:
 
     def __post_init__(self) -> None:
         _check_fraction("val_fraction", self.val_fraction)
-        folder = Path(self.root) / _VerifiedCIFAR10.base_folder
+        folder = Path(self.root) / datasets.CIFAR10.base_folder
         if not self.download and not folder.is_dir():
             raise ConfigError(
                 "data.root",
                 self.root,
-                f"no {_VerifiedCIFAR10.base_folder}/ folder there and data.download=false",
+                f"no {datasets.CIFAR10.base_folder}/ folder there and data.download=false",
                 "point data.root at the folder holding cifar-10-batches-py/ or set data.download=true",
             )
 
@@ -111,8 +117,8 @@ class CIFAR10:
         self._dataset(train=False, transform=None, download=self.download)
 
     def _dataset(self, train: bool, transform, download: bool = False) -> datasets.CIFAR10:
-        cls = type("CIFAR10Files", (_VerifiedCIFAR10,), {"verify": self.verify})
-        return cls(self.root, train=train, transform=transform, download=download)
+        dataset_class = _cifar10_class(self.verify)
+        return dataset_class(self.root, train=train, transform=transform, download=download)
 
     def splits(self) -> Splits:
         normalize = [transforms.ToTensor(), transforms.Normalize(CIFAR_MEAN, CIFAR_STD)]
@@ -232,15 +238,19 @@ class Synthetic:
     """Random images of a chosen size and class count, generated on the fly (benchmarks)."""
 
     num_samples: int = 2048
+    # Size of the validation and of the test split.
+    eval_samples: int = 256
     image_size: int = 32
     channels: int = 3
     num_classes: int = 10
 
     def __post_init__(self) -> None:
-        for key in ("num_samples", "image_size", "channels", "num_classes"):
+        for key in ("num_samples", "eval_samples", "image_size", "channels", "num_classes"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"data.{key}", value, "a whole number >= 1", f"e.g. data.{key}=32")
+                raise ConfigError(
+                    f"data.{key}", value, "a whole number >= 1", f"e.g. data.{key}=32"
+                )
 
     @property
     def in_channels(self) -> int:
@@ -248,10 +258,9 @@ class Synthetic:
 
     def splits(self) -> Splits:
         shape = (self.channels, self.image_size, self.image_size)
-        eval_size = max(1, self.num_samples // 8)
         train = _NoiseImages(self.num_samples, shape, self.num_classes, offset=0)
-        val = _NoiseImages(eval_size, shape, self.num_classes, offset=10**9)
-        test = _NoiseImages(eval_size, shape, self.num_classes, offset=2 * 10**9)
+        val = _NoiseImages(self.eval_samples, shape, self.num_classes, offset=10**9)
+        test = _NoiseImages(self.eval_samples, shape, self.num_classes, offset=2 * 10**9)
         return train, val, test
 
 

@@ -1,0 +1,44 @@
+"""A callback the tests add with `+callbacks.probe._target_=probe.Probe`: it records, on every
+rank, what the real samplers yield and a checksum of the final weights, so that tests can
+compare ranks from the outside."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+import torch
+
+
+def _indices(loader) -> list[int]:
+    return [int(i) for i in loader.sampler]
+
+
+class Probe(L.Callback):
+    def __init__(self) -> None:
+        self.record: dict = {"train": {}, "val": [], "test": []}
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning has called sampler.set_epoch(epoch) by now.
+        self.record["train"][str(trainer.current_epoch)] = _indices(trainer.train_dataloader)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.record["val"] = _indices(trainer.val_dataloaders)
+
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.record["test"] = _indices(trainer.test_dataloaders)
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.record["test_samples_seen"] = self.record.get("test_samples_seen", 0) + len(batch[1])
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        flat = torch.cat([p.detach().double().reshape(-1) for p in pl_module.parameters()])
+        self.record["weights_sum"] = float(flat.sum())
+        self.record["weights_abs_sum"] = float(flat.abs().sum())
+        self.record["world_size"] = trainer.world_size
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        out = Path(trainer.default_root_dir) / "probe" / f"rank_{trainer.global_rank}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(self.record))
