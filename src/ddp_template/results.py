@@ -52,6 +52,7 @@ def collect_results(
         "precision_requested": str(cfg.precision),
         "precision_used": str(trainer.precision),
         "strategy": cfg.strategy.name,
+        "ddp": _ddp_settings(metrics),
         "batch_size_per_device": per_device_batch,
         "accumulate_grad_batches": accumulation,
         "global_batch_size": per_device_batch * trainer.world_size * accumulation,
@@ -62,6 +63,14 @@ def collect_results(
         "output_dir": str(cfg.paths.output_dir),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
+
+
+def _ddp_settings(metrics: dict[str, float]) -> dict[str, Any] | None:
+    settings = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("ddp/")}
+    if not settings:
+        return None
+    flags = ("gradient_as_bucket_view", "static_graph", "find_unused_parameters")
+    return {key: bool(value) if key in flags else value for key, value in settings.items()}
 
 
 def _best_score(trainer: L.Trainer) -> float | None:

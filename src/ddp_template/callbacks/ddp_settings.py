@@ -1,0 +1,36 @@
+"""The DDP settings the live model really uses, read back from the wrapper (not the config)."""
+
+from __future__ import annotations
+
+import lightning as L
+from torch.nn.parallel import DistributedDataParallel
+
+
+def read_ddp_settings(model: object) -> dict[str, float] | None:
+    """Numbers read from a DistributedDataParallel wrapper; None for an unwrapped model."""
+    if not isinstance(model, DistributedDataParallel):
+        return None
+    return {
+        "bucket_cap_mb": model.bucket_bytes_cap / 2**20,
+        "gradient_as_bucket_view": float(model.gradient_as_bucket_view),
+        "static_graph": float(model.static_graph),
+        "find_unused_parameters": float(model.find_unused_parameters),
+    }
+
+
+class DDPSettingsMonitor(L.Callback):
+    """Logs `ddp/<setting>` at the end of each training epoch.
+
+    Logged as metrics so they reach results.json whichever way the workers were started
+    (including ddp_spawn, where only metrics travel back to the main process).
+    """
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        settings = read_ddp_settings(trainer.strategy.model)
+        if settings:
+            pl_module.log_dict(
+                {f"ddp/{key}": value for key, value in settings.items()},
+                on_step=False,
+                on_epoch=True,
+                sync_dist=False,
+            )
