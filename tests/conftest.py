@@ -28,7 +28,9 @@ FAST = [
 def train(
     *overrides: str, cwd: Path, timeout: float = 600, check: bool = True
 ) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "PYTHONUNBUFFERED": "1"}
+    # Kept after the tests folder: a PYTHONPATH set by the caller (a copy of the project).
+    path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *overrides],
         cwd=cwd,

@@ -1,0 +1,258 @@
+"""`python -m ddp_template.new_task NAME [--from TASK] [--root DIR]`: a new task, copied.
+
+Renders the Jinja templates of an existing task (`templates/task/<TASK>/`) under a new
+name: the task's package, its config (so that `task=NAME` selects it) and its tests, with
+every class name, config target and import renamed. A template folder holds
+
+    package/*.jinja   -> src/ddp_template/tasks/NAME/*
+    config.yaml.jinja -> conf/task/NAME.yaml
+    test.py.jinja     -> tests/test_task_NAME.py
+
+and is rendered with `task` (NAME), `datamodule_class` and `module_class`. Rendered with a
+task's own name and class names, a template gives back that task's files exactly (a test
+checks it), so a copy starts from the task as it is today.
+
+Every check runs before anything is written. The files are rendered into a staging folder
+inside the project first, then moved into place (renames on one file system); if a move
+fails, what was already moved is removed again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import keyword
+import os
+import re
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from importlib.machinery import PathFinder
+from pathlib import Path, PurePosixPath
+
+import jinja2
+
+from ddp_template.errors import ConfigError, UserFacingError
+
+TEMPLATES = Path(__file__).resolve().parent / "templates" / "task"
+# The checkout this package lives in (as for train.py's conf/).
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_SOURCE = "image_classification"
+TASKS_DIR = Path("src", "ddp_template", "tasks")
+NAME_PATTERN = re.compile(r"[a-z][a-z0-9_]*")
+COMMAND = "python -m ddp_template.new_task"
+
+
+@dataclass(frozen=True)
+class TaskNames:
+    """The names a template is rendered with."""
+
+    task: str
+    datamodule_class: str
+    module_class: str
+
+    @classmethod
+    def for_new_task(cls, task: str) -> TaskNames:
+        prefix = "".join(part.capitalize() for part in task.split("_"))
+        return cls(task, f"{prefix}DataModule", f"{prefix}Module")
+
+
+def available_sources() -> list[str]:
+    return sorted(p.name for p in TEMPLATES.iterdir() if p.is_dir())
+
+
+def destination(template: PurePosixPath, task: str) -> Path:
+    """Where a template file of a task's template folder lands, relative to the project."""
+    if template.parts[0] == "package":
+        return TASKS_DIR.joinpath(task, *template.parts[1:]).with_suffix("")
+    if template == PurePosixPath("config.yaml.jinja"):
+        return Path("conf", "task", f"{task}.yaml")
+    if template == PurePosixPath("test.py.jinja"):
+        return Path("tests", f"test_task_{task}.py")
+    raise RuntimeError(f"{template}: not a file a task template can hold")
+
+
+def render(source: str, names: TaskNames) -> dict[Path, str]:
+    """Every file of the new task (path relative to the project -> text); writes nothing."""
+    folder = TEMPLATES / source
+    environment = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(folder),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    files = {}
+    for path in sorted(folder.rglob("*.jinja")):
+        template = PurePosixPath(path.relative_to(folder).as_posix())
+        text = environment.get_template(str(template)).render(vars(names))
+        files[destination(template, names.task)] = text
+    return files
+
+
+def check_name(name: str) -> None:
+    if not NAME_PATTERN.fullmatch(name) or keyword.iskeyword(name):
+        raise ConfigError(
+            "NAME",
+            name,
+            "a lowercase Python identifier that is not a keyword: a letter, then letters, "
+            "digits or underscores (it names a Python package and the `task=` option)",
+            f"e.g. `{COMMAND} {_suggest(name)}`",
+        )
+    if _is_module(name):
+        raise ConfigError(
+            "NAME",
+            name,
+            f"a name no importable module uses; `import {name}` already finds one, and a "
+            "task named like it would be confused with it in imports, configs and tests",
+            f"pick another name, e.g. `{COMMAND} {name}_task`",
+        )
+
+
+def _suggest(name: str) -> str:
+    words = re.findall(r"[a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower())
+    suggestion = "_".join(words)
+    if not suggestion or not suggestion[0].isalpha() or keyword.iskeyword(suggestion):
+        suggestion = f"my_{suggestion}".rstrip("_")
+    return suggestion
+
+
+def _is_module(name: str) -> bool:
+    """A standard-library, built-in or installed module; the current folder does not count."""
+    if name in sys.stdlib_module_names or name in sys.builtin_module_names:
+        return True
+    here = {"", os.getcwd()}
+    return PathFinder.find_spec(name, [p for p in sys.path if p not in here]) is not None
+
+
+def check_source(source: str) -> None:
+    sources = available_sources()
+    if source not in sources:
+        raise ConfigError(
+            "--from",
+            source,
+            f"a task to copy; the tasks available are {', '.join(sources)}",
+            f"e.g. `--from {DEFAULT_SOURCE}` (the default)",
+        )
+
+
+def check_root(root: Path) -> None:
+    if not ((root / "conf" / "task").is_dir() and (root / TASKS_DIR).is_dir()):
+        raise ConfigError(
+            "--root",
+            str(root),
+            f"the project folder, the one holding conf/task/ and {TASKS_DIR.as_posix()}/",
+            "leave --root out, or point it at a checkout of this project",
+        )
+
+
+def check_new(files: dict[Path, str], root: Path, name: str) -> None:
+    package = TASKS_DIR / name
+    others = [p for p in files if not p.is_relative_to(package)]
+    existing = [p.as_posix() for p in [package, *others] if (root / p).exists()]
+    if existing:
+        raise ConfigError(
+            "NAME",
+            name,
+            f"the name of a task that does not exist yet; {', '.join(existing)} exists already "
+            "and is never overwritten",
+            "pick another name, or remove those files first if they are a task to replace",
+        )
+
+
+def write_all(files: dict[Path, str], root: Path) -> None:
+    """Renders into a staging folder, then moves every file into place; all or nothing."""
+    staging = Path(tempfile.mkdtemp(prefix=".new_task-", dir=root))
+    moved: list[Path] = []
+    made: list[Path] = []
+    try:
+        for relative, text in files.items():
+            staged = staging / relative
+            staged.parent.mkdir(parents=True, exist_ok=True)
+            staged.write_text(text, encoding="utf-8")
+        for relative in files:
+            target = root / relative
+            made += _make_folders(target.parent)
+            if target.exists():
+                raise FileExistsError(f"{target} appeared while the task was written")
+            _move(staging / relative, target)
+            moved.append(target)
+    except BaseException:
+        for path in reversed(moved):
+            path.unlink(missing_ok=True)
+        for folder in reversed(made):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _make_folders(folder: Path) -> list[Path]:
+    """Creates `folder` and its missing parents; returns those it created, outermost first."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for path in reversed(missing):
+        path.mkdir()
+    return list(reversed(missing))
+
+
+def _move(source: Path, target: Path) -> None:
+    os.rename(source, target)
+
+
+def create_task(name: str, source: str = DEFAULT_SOURCE, root: Path = PROJECT_ROOT) -> list[Path]:
+    """Checks everything, then writes the new task; returns its files (relative to root)."""
+    check_name(name)
+    check_source(source)
+    check_root(root)
+    files = render(source, TaskNames.for_new_task(name))
+    check_new(files, root, name)
+    write_all(files, root)
+    return list(files)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog=COMMAND,
+        description="Create a task (module, datamodule, config, tests) by copying an existing one.",
+    )
+    parser.add_argument("name", metavar="NAME", help="the new task: a lowercase identifier")
+    parser.add_argument(
+        "--from",
+        dest="source",
+        default=DEFAULT_SOURCE,
+        metavar="TASK",
+        help=f"the task to copy (default: {DEFAULT_SOURCE}; one of {', '.join(available_sources())})",
+    )
+    parser.add_argument(
+        "--root",
+        type=Path,
+        default=PROJECT_ROOT,
+        help="the project folder to write into (default: the checkout of this package)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        files = create_task(args.name, args.source, args.root.resolve())
+    except UserFacingError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(
+            f"error: writing the task failed ({err}); nothing of it was left behind. "
+            "Fix: make the project folder writable and run the command again",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"Created task={args.name} (a copy of {args.source}):")
+    for path in files:
+        print(f"  {path.as_posix()}")
+    print(f"Train it:  python train.py task={args.name} strategy=ddp devices=2")
+    print(f"Test it:   python -m pytest tests/test_task_{args.name}.py")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
