@@ -1,0 +1,84 @@
+"""LightningModule of the image classification task."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from ddp_template.tasks.tabular_classification.model import build_resnet
+
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
+SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
+
+
+class TabularClassificationModule(L.LightningModule):
+    """Cross-entropy classifier. Metrics are torchmetrics objects: their states are summed
+    over ranks at the end of an epoch, so they are exact under DDP."""
+
+    def __init__(
+        self,
+        model: dict[str, Any],
+        num_classes: int,
+        in_channels: int,
+        optimizer: OptimizerFactory | None = None,
+        scheduler: SchedulerFactory | None = None,
+    ) -> None:
+        super().__init__()
+        # Optimizer and scheduler factories are code, not hyper-parameters: keeping them out
+        # lets checkpoints load with torch.load(weights_only=True).
+        self.save_hyperparameters(ignore=["optimizer", "scheduler"])
+        self.model = build_resnet(num_classes=num_classes, in_channels=in_channels, **model)
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
+        self.criterion = nn.CrossEntropyLoss()
+        self.train_loss = MeanMetric()
+        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
+        self.train_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes, average="micro")
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(images)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
+        images, labels = batch
+        logits = self(images)
+        loss = self.criterion(logits, labels)
+        self.train_loss.update(loss.detach(), weight=labels.numel())
+        self.train_acc.update(logits.detach(), labels)
+        self.log("train/loss", self.train_loss, on_step=False, on_epoch=True, prog_bar=True)
+        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "val", self.val_loss, self.val_acc)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "test", self.test_loss, self.test_acc)
+
+    def _evaluate(self, batch, stage: str, loss_metric: MeanMetric, acc: MulticlassAccuracy):
+        images, labels = batch
+        logits = self(images)
+        loss_metric.update(self.criterion(logits, labels), weight=labels.numel())
+        acc.update(logits, labels)
+        self.log(f"{stage}/loss", loss_metric, on_step=False, on_epoch=True, prog_bar=True)
+        self.log(f"{stage}/acc", acc, on_step=False, on_epoch=True, prog_bar=True)
+
+    def configure_optimizers(self):
+        if self.optimizer_factory is None:
+            raise RuntimeError("training needs an optimizer: set task.module.optimizer")
+        optimizer = self.optimizer_factory(self.parameters())
+        if self.scheduler_factory is None:
+            return optimizer
+        total_steps = int(self.trainer.estimated_stepping_batches)
+        scheduler = self.scheduler_factory(optimizer, total_steps=total_steps)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
