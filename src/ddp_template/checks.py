@@ -42,6 +42,7 @@ def check_config(cfg: DictConfig) -> None:
         cfg.accelerator = _resolve_accelerator(cfg.accelerator)
         cfg.devices = _resolve_devices(cfg.devices, cfg.accelerator)
     _check_whole_number("num_nodes", cfg.num_nodes, minimum=1)
+    _check_whole_number("max_restarts", cfg.max_restarts, minimum=0)
     _check_precision(cfg.precision)
     _check_strategy(cfg)
     _check_trainer_args(cfg)

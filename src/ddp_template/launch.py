@@ -25,8 +25,13 @@ Worker = Callable[[dict[str, Any]], Any]
 
 
 def processes_started_externally() -> bool:
-    """torchrun (or another elastic agent) already made one process per device."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
+    """torchrun (or another elastic agent), or srun with several tasks, already made one
+    process per device: this process is one rank and trains in place."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return True
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    return SLURMEnvironment.detect() and int(os.environ.get("SLURM_NTASKS", "1")) > 1
 
 
 class JobLogsSpecs(DefaultLogsSpecs):
@@ -64,24 +69,34 @@ def launch(
         max_restarts=max_restarts,
         monitor_interval=0.5,
         start_method="spawn",
-        logs_specs=JobLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL, tee={0: Std.ALL}),
+        # Every rank's output goes to its own files; rank 0's stdout to the console as well.
+        # Tracebacks are not teed: the failing rank's one is printed once, by describe_failure.
+        logs_specs=JobLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL, tee={0: Std.OUT}),
         log_line_prefix_template="[rank${rank}] ",
     )
     try:
         returns = elastic_launch(launch_config, worker)(config)
     except ChildFailedError as failure:
-        raise WorkerFailed(describe_failure(failure)) from None
+        raise WorkerFailed(describe_failure(failure, log_dir)) from None
     return returns[0]
 
 
-def describe_failure(error: ChildFailedError) -> str:
+def describe_failure(error: ChildFailedError, log_dir: Path) -> str:
+    """The first rank that failed (by time), why, its traceback, and where its logs are."""
     rank, failure = error.get_first_failure()
+    attempts = sorted(log_dir.glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
+    rank_logs = attempts[-1] / str(failure.local_rank) if attempts else log_dir
+    traceback = ""
     if failure.exitcode < 0:
         cause = f"was killed by {failure.signal_name()}"
     else:
-        message = failure.message if isinstance(failure.message, str) else ""
-        first_line = message.strip().splitlines()[-1] if message.strip() else ""
-        cause = f"exited with code {failure.exitcode}" + (f": {first_line}" if first_line else "")
-    log_folder = Path(failure.error_file).parent if failure.error_file else None
-    where = f" Its output is in {log_folder}/ (stdout.log, stderr.log)." if log_folder else ""
-    return f"Worker rank {rank} (pid {failure.pid}) {cause}.{where}"
+        message = failure.message
+        if isinstance(message, dict):
+            traceback = str(message.get("extraInfo", {}).get("py_callstack", "")).rstrip()
+            message = message.get("message", "")
+        cause = f"exited with code {failure.exitcode}: {str(message).strip()}"
+    summary = (
+        f"Worker rank {rank} (pid {failure.pid}) {cause}. "
+        f"Its output is in {rank_logs}/stdout.log and stderr.log."
+    )
+    return f"{traceback}\n\n{summary}" if traceback else summary

@@ -1,4 +1,9 @@
-"""OmegaConf resolvers used by `conf/`."""
+"""OmegaConf resolvers used by `conf/`.
+
+When torchrun or srun start the processes, every rank runs `train.py` and composes the
+config itself. These resolvers make all ranks of one job agree on one folder, and keep the
+non-zero ranks from writing Hydra's files into it.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +12,82 @@ import time
 
 from omegaconf import OmegaConf
 
+STAMP_FORMAT = "%Y-%m-%d/%H-%M-%S"
+
+
+def launch_rank() -> int:
+    """Global rank given by an external launcher (torchrun: RANK, srun: SLURM_PROCID); 0 else."""
+    for name in ("RANK", "SLURM_PROCID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
 
 def job_stamp() -> str:
-    """Name of a run's folder: the same in every process of one job, unique across jobs.
+    """Name of a job's folder: the same in every process of the job, unique across jobs.
 
-    Under torchrun every rank composes the config itself, so a time stamp would differ from
-    rank to rank (and from one restart to the next): the elastic run id is shared by all of
-    them instead. Otherwise: date/time plus the process id, unique within the same second.
+    - plain command: start time and process id of this (the launching) process;
+    - torchrun: start time and process id of the local elastic agent, shared by the ranks it
+      starts and by their restarts (so a restarted attempt finds the first one's checkpoints);
+      with several nodes, the rendezvous id (`--rdzv-id`) when one is given;
+    - srun: the SLURM job and step ids.
     """
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id:
-        return f"torchrun/{run_id}"
-    return time.strftime("%Y-%m-%d/%H-%M-%S") + f"_{os.getpid()}"
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        run_id = os.environ["TORCHELASTIC_RUN_ID"]
+        several_nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1
+        if several_nodes and run_id != "none":
+            return f"torchrun/{run_id}"
+        return _process_stamp(os.getppid())
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ:
+        step = os.environ.get("SLURM_STEP_ID", "0")
+        return f"slurm/{os.environ['SLURM_JOB_ID']}.{step}"
+    return _process_stamp(os.getpid())
+
+
+def _process_stamp(pid: int) -> str:
+    import psutil
+
+    started = psutil.Process(pid).create_time()
+    return time.strftime(STAMP_FORMAT, time.localtime(started)) + f"_{pid}"
+
+
+def if_rank_zero(value: str) -> str | None:
+    """`value` on global rank 0, None elsewhere (Hydra then skips that output)."""
+    return value if launch_rank() == 0 else None
+
+
+def rank_zero_file(path: str) -> str:
+    """`path` on global rank 0, the null device elsewhere (for log files)."""
+    return path if launch_rank() == 0 else os.devnull
+
+
+def add(*values: int) -> int:
+    """`${add:a,b}`: a sum, e.g. warm-up plus measured benchmark steps."""
+    return sum(values)
+
+
+def workers_per_rank(processes_per_node: object) -> int:
+    """DataLoader workers for one rank: the cores it may use, less the one it trains on."""
+    processes = processes_per_node if isinstance(processes_per_node, int) else 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, processes) - 1)
+
+
+def on_cuda(accelerator: str) -> bool:
+    """Whether the run trains on CUDA devices (`auto` counts when a GPU is visible)."""
+    if accelerator in ("cuda", "gpu"):
+        return True
+    if accelerator == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return False
 
 
 def register() -> None:
     OmegaConf.register_new_resolver("job_stamp", job_stamp, use_cache=True, replace=True)
+    OmegaConf.register_new_resolver("if_rank_zero", if_rank_zero, replace=True)
+    OmegaConf.register_new_resolver("rank_zero_file", rank_zero_file, replace=True)
+    OmegaConf.register_new_resolver("add", add, replace=True)
+    OmegaConf.register_new_resolver("workers_per_rank", workers_per_rank, replace=True)
+    OmegaConf.register_new_resolver("on_cuda", on_cuda, replace=True)

@@ -26,6 +26,18 @@ CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 resolvers.register()
 
 
+def cli() -> None:
+    """`python train.py ...`: names a missing launcher plugin before Hydra composes."""
+    from ddp_template.plugins import require_plugins
+
+    try:
+        require_plugins(sys.argv[1:])
+    except UserFacingError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    main()
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def main(cfg: DictConfig) -> float | None:
     return run(cfg)
@@ -45,6 +57,7 @@ def run(cfg: DictConfig) -> float | None:
             config,
             nproc_per_node=processes_per_node(cfg),
             job_dir=Path(cfg.paths.output_dir),
+            max_restarts=cfg.max_restarts,
         )
     except UserFacingError as err:
         return _report(err)
@@ -64,7 +77,8 @@ def processes_per_node(cfg: DictConfig) -> int:
 def _report(err: UserFacingError) -> None:
     """A single run exits with the message alone; in a sweep the job fails, the rest go on."""
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        raise err
+        # Hydra records the failed job, runs the others and exits non-zero at the end.
+        raise err.with_traceback(None) from None
     print(f"error: {err}", file=sys.stderr)
     sys.exit(2)
 
@@ -86,12 +100,13 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     cfg = OmegaConf.create(config)
     _share_cpu_cores(int(cfg.devices))
     _quiet_known_warnings()
-    _single_console_handler()
+    _configure_console_logging()
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     datamodule, module = build_task(cfg)
     trainer = build_trainer(cfg)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    ckpt_path = _resume_point(cfg, trainer)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     # trainer.test replaces callback_metrics: keep what fit measured (throughput, memory).
     fit_metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
 
@@ -108,8 +123,24 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     weights = job_dir / WEIGHTS_FILE
     export_weights(module.model, weights)
     results = collect_results(cfg, trainer, fit_metrics, test_metrics, weights)
+    results["restarts"] = _restart_count()
+    results["resumed_from"] = ckpt_path
     write_json_atomic(job_dir / RESULTS_FILE, results)
     return results
+
+
+def _restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _resume_point(cfg: DictConfig, trainer) -> str | None:
+    """After a restart of the worker group, continue from this job's last checkpoint."""
+    callback = trainer.checkpoint_callback
+    if _restart_count() > 0 and callback is not None and callback.dirpath:
+        last = Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+        if last.is_file():
+            return str(last)
+    return cfg.ckpt_path
 
 
 def _share_cpu_cores(local_processes: int) -> None:
@@ -122,13 +153,20 @@ def _share_cpu_cores(local_processes: int) -> None:
     torch.set_num_threads(max(1, (cores or 1) // max(1, local_processes)))
 
 
-def _single_console_handler() -> None:
-    """Lightning adds a console handler of its own; where Hydra set up logging (in-process
-    runs) that would print every message twice, and Hydra's handlers also write train.log."""
+def _configure_console_logging() -> None:
+    """Lightning adds a console handler of its own, on stderr. Where Hydra set up logging
+    (in-process runs) it would print every message twice: Hydra's handlers take over (and
+    also write train.log). In a worker of the elastic agent it moves to stdout, the stream
+    that reaches the console for rank 0."""
     import logging
 
+    lightning_logger = logging.getLogger("lightning")
     if logging.getLogger().handlers:
-        logging.getLogger("lightning").handlers.clear()
+        lightning_logger.handlers.clear()
+        return
+    for handler in lightning_logger.handlers:
+        if isinstance(handler, logging.StreamHandler):
+            handler.setStream(sys.stdout)
 
 
 def _quiet_known_warnings() -> None:

@@ -1,0 +1,291 @@
+"""One launch path: sweeps, Optuna, side-by-side runs, torchrun, several nodes, SLURM,
+restarts. Every test runs real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from conftest import FAST, ROOT, TESTS, results, train
+
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+TINY_DDP = ["strategy=ddp", "devices=2", *FAST]
+
+
+def job_folders(sweep_root: Path) -> list[Path]:
+    (sweep,) = [p for p in sweep_root.glob("*/*") if p.is_dir()]
+    return sorted(
+        (p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)
+    )
+
+
+@pytest.mark.slow
+def test_bucket_size_sweep_runs_one_ddp_job_per_value(tmp_path: Path) -> None:
+    train("-m", *TINY_DDP, "strategy.bucket_cap_mb=25,50,100", cwd=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["multirun"]  # no second folder
+    jobs = job_folders(tmp_path / "multirun")
+    assert [results(j)["ddp"]["bucket_cap_mb"] for j in jobs] == [25.0, 50.0, 100.0]
+    for job in jobs:
+        assert results(job)["world_size"] == 2
+        assert sorted(p.name for p in (job / "logs" / "attempt_0").iterdir()) == ["0", "1"]
+        assert (job / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_a_bad_value_fails_its_job_only(tmp_path: Path) -> None:
+    proc = train(
+        "-m", *FAST, "strategy=ddp", "strategy.bucket_cap_mb=25,-1", cwd=tmp_path, check=False
+    )
+    assert proc.returncode != 0
+    assert "strategy.bucket_cap_mb=-1 is not valid" in proc.stderr
+    jobs = job_folders(tmp_path / "multirun")
+    assert (jobs[0] / "results.json").is_file() and not (jobs[1] / "results.json").exists()
+
+
+@pytest.mark.slow
+def test_optuna_search_over_the_learning_rate(tmp_path: Path) -> None:
+    train(
+        "-m",
+        "hparams_search=optuna_lr",
+        "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.sampler.n_startup_trials=2",
+        *TINY_DDP,
+        cwd=tmp_path,
+    )
+    (sweep,) = (tmp_path / "multirun").glob("*/*")
+    best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    trials = [results(j) for j in job_folders(tmp_path / "multirun")]
+    assert len(trials) == 3 and all(t["world_size"] == 2 for t in trials)
+    assert best["best_value"] == max(t["val/acc"] for t in trials)
+    best_lr = best["best_params"]["task.module.optimizer.lr"]
+    assert best_lr in [t["config"]["task"]["module"]["optimizer"]["lr"] for t in trials]
+
+
+def test_grid_over_two_keys(tmp_path: Path) -> None:
+    train("hparams_search=grid", *FAST, cwd=tmp_path)
+    combos = {
+        (r["config"]["task"]["module"]["optimizer"]["lr"], r["batch_size_per_device"])
+        for r in map(results, job_folders(tmp_path / "multirun"))
+    }
+    assert combos == {(0.05, 32), (0.05, 64), (0.1, 32), (0.1, 64)}
+
+
+def _start(args: list[str], cwd: Path, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "PYTHONUNBUFFERED": "1", **kwargs.pop("env", {})}
+    return subprocess.Popen(
+        args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
+    )
+
+
+def test_two_runs_side_by_side(tmp_path: Path) -> None:
+    procs = [
+        _start([sys.executable, str(ROOT / "train.py"), *TINY_DDP], cwd=tmp_path) for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    folders = sorted(p.parent for p in tmp_path.glob("outputs/*/*/results.json"))
+    assert len(folders) == 2 and folders[0] != folders[1]
+
+
+def test_torchrun_trains_in_the_processes_it_started(tmp_path: Path) -> None:
+    proc = _start(
+        [TORCHRUN, "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"), *TINY_DDP],
+        cwd=tmp_path,
+    )
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    (job,) = [p.parent for p in tmp_path.glob("outputs/*/*/results.json")]
+    assert results(job)["world_size"] == 2
+    assert not (job / "logs").exists()  # no second launcher inside torchrun's workers
+    assert len(list(tmp_path.glob("outputs/*/*"))) == 1
+    assert (job / ".hydra" / "config.yaml").is_file() and "Run summary" in out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_through_a_c10d_rendezvous(tmp_path: Path) -> None:
+    port = _free_port()
+    agents = [
+        _start(
+            [
+                TORCHRUN,
+                "--nnodes=2",
+                f"--node_rank={node}",
+                "--nproc_per_node=1",
+                "--rdzv_backend=c10d",
+                f"--rdzv_endpoint=127.0.0.1:{port}",
+                "--rdzv_id=two-nodes",
+                str(ROOT / "train.py"),
+                "strategy=ddp",
+                "devices=1",
+                "num_nodes=2",
+                *FAST,
+            ],
+            cwd=tmp_path / f"node{node}",
+        )
+        for node in (0, 1)
+        if (tmp_path / f"node{node}").mkdir() is None
+    ]
+    outputs = [a.communicate(timeout=300) for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], [o[1][-2000:] for o in outputs]
+    written = list(tmp_path.glob("node*/outputs/**/results.json"))
+    assert len(written) == 1 and written[0].is_relative_to(tmp_path / "node0")
+    out = json.loads(written[0].read_text())
+    assert out["world_size"] == 2 and out["num_nodes"] == 2
+    assert not list((tmp_path / "node1").glob("outputs/**/*.ckpt"))
+
+
+def test_slurm_launcher_config_maps_devices_and_nodes() -> None:
+    from hydra import compose, initialize_config_dir
+
+    from ddp_template import resolvers
+    from ddp_template.train import CONFIG_DIR
+
+    resolvers.register()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(
+            "train",
+            overrides=[
+                "launcher=slurm",
+                "devices=4",
+                "num_nodes=2",
+                "hydra.launcher.partition=gpu",
+            ],
+            return_hydra_config=True,
+        )
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 4, 4)
+    assert launcher.partition == "gpu" and launcher.timeout_min == 240
+
+
+def test_submitit_local_executor_runs_a_job(tmp_path: Path) -> None:
+    train("-m", "launcher=submitit_local", *TINY_DDP, cwd=tmp_path, timeout=400)
+    (job,) = job_folders(tmp_path / "multirun")
+    assert results(job)["world_size"] == 2
+
+
+def test_missing_launcher_plugin_is_named(monkeypatch) -> None:
+    import importlib.util
+
+    from ddp_template.errors import ConfigError
+    from ddp_template.plugins import require_plugins
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if "submitit" in name else real_find_spec(name, *a),
+    )
+    with pytest.raises(ConfigError, match="hydra-submitit-launcher"):
+        require_plugins(["-m", "launcher=slurm"])
+
+
+def _workers(proc: subprocess.Popen) -> dict[int, psutil.Process]:
+    """Worker processes of a job, by global rank (read from their environment)."""
+    found = {}
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            rank = child.environ().get("RANK")
+        except psutil.Error:
+            continue
+        if rank is not None and "TORCHELASTIC_RUN_ID" in child.environ():
+            found[int(rank)] = child
+    return found
+
+
+def _kill_rank_one_after_first_checkpoint(proc: subprocess.Popen, job: Path) -> float:
+    deadline = time.time() + 240
+    while not (job / "checkpoints" / "last.ckpt").is_file():
+        assert proc.poll() is None and time.time() < deadline, "no checkpoint appeared"
+        time.sleep(0.2)
+    time.sleep(1.0)  # into the next epoch
+    _workers(proc)[1].send_signal(signal.SIGKILL)
+    return time.time()
+
+
+RESTART_RUN = [
+    "strategy=ddp",
+    "devices=2",
+    "data=synthetic",
+    "data.num_samples=640",
+    "data.eval_samples=32",
+    "data.image_size=16",
+    "data.batch_size=32",
+    "trainer.max_epochs=3",
+    "trainer.limit_val_batches=1",
+    "trainer.num_sanity_val_steps=0",
+    "trainer.enable_model_summary=false",
+    "logger=none",
+]
+
+
+@pytest.mark.slow
+def test_killed_worker_restarts_and_resumes(tmp_path: Path) -> None:
+    job = tmp_path / "run"
+    proc = _start(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            *RESTART_RUN,
+            "max_restarts=1",
+            f"hydra.run.dir={job}",
+        ],
+        cwd=tmp_path,
+    )
+    _kill_rank_one_after_first_checkpoint(proc, job)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    record = results(job)
+    assert record["restarts"] == 1 and record["resumed_from"].endswith("last.ckpt")
+    assert record["global_step"] == 3 * 10  # 640 samples / 2 ranks / 32 per batch, 3 epochs
+    assert (job / "logs" / "attempt_1").is_dir()
+
+
+@pytest.mark.slow
+def test_killed_worker_without_restarts_fails_fast_and_names_it(tmp_path: Path) -> None:
+    job = tmp_path / "run"
+    proc = _start(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            *RESTART_RUN,
+            "max_restarts=0",
+            f"hydra.run.dir={job}",
+        ],
+        cwd=tmp_path,
+    )
+    killed_at = _kill_rank_one_after_first_checkpoint(proc, job)
+    out, err = proc.communicate(timeout=120)
+    assert time.time() - killed_at < 60
+    assert proc.returncode != 0
+    assert "Worker rank 1" in err and "SIGKILL" in err
+    assert str(job / "logs" / "attempt_0" / "1") in err
+    assert not (job / "results.json").exists()
+
+
+def test_ddp_spawn_sweep(tmp_path: Path) -> None:
+    train("-m", *FAST, "strategy=ddp_spawn", "devices=2", "seed=1,2", cwd=tmp_path)
+    jobs = job_folders(tmp_path / "multirun")
+    assert [results(j)["config"]["seed"] for j in jobs] == [1, 2]
+    assert all(results(j)["world_size"] == 2 for j in jobs)
+
+
+def test_agent_logs_stay_in_the_job_folder(tmp_path: Path) -> None:
+    job = tmp_path / "run"
+    train(*TINY_DDP, f"hydra.run.dir={job}", cwd=tmp_path)
+    for rank in ("0", "1"):
+        assert (job / "logs" / "attempt_0" / rank / "stdout.log").is_file()
