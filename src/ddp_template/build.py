@@ -11,6 +11,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from omegaconf import DictConfig, OmegaConf
 
+from ddp_template.comm_hooks import CommHookDDPStrategy
 from ddp_template.errors import ConfigError
 
 
@@ -34,7 +35,14 @@ def build_task(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModul
 
 
 # Keys of the strategy group that are ours, not DistributedDataParallel's.
-_STRATEGY_KEYS = {"name", "process_group_backend", "timeout"}
+_STRATEGY_KEYS = {
+    "name",
+    "process_group_backend",
+    "timeout",
+    "comm_hook",
+    "powersgd_rank",
+    "powersgd_start_iter",
+}
 
 
 def build_strategy(cfg: DictConfig) -> Strategy | str:
@@ -44,7 +52,10 @@ def build_strategy(cfg: DictConfig) -> Strategy | str:
     if name == "auto":
         return DDPStrategy() if world_size(cfg) > 1 else "auto"
     ddp_kwargs = {key: value for key, value in options.items() if key not in _STRATEGY_KEYS}
-    return DDPStrategy(
+    return CommHookDDPStrategy(
+        comm_hook=options["comm_hook"],
+        powersgd_rank=options["powersgd_rank"],
+        powersgd_start_iter=options["powersgd_start_iter"],
         start_method="spawn" if name == "ddp_spawn" else "popen",
         process_group_backend=options["process_group_backend"],
         timeout=timedelta(seconds=options["timeout"]),

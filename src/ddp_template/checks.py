@@ -17,6 +17,7 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from ddp_template.build import build_task
+from ddp_template.comm_hooks import COMM_HOOKS
 from ddp_template.errors import ConfigError
 from ddp_template.launch import processes_started_externally
 
@@ -44,6 +45,7 @@ def check_config(cfg: DictConfig) -> None:
     _check_whole_number("num_nodes", cfg.num_nodes, minimum=1)
     _check_whole_number("max_restarts", cfg.max_restarts, minimum=0)
     _check_precision(cfg.precision)
+    _check_benchmark(cfg)
     _check_strategy(cfg)
     _check_trainer_args(cfg)
     _check_loader(cfg.data)
@@ -144,6 +146,38 @@ def _check_strategy(cfg: DictConfig) -> None:
             raise ConfigError(
                 f"strategy.{key}", strategy[key], "true or false", f"strategy.{key}=false"
             )
+    _check_comm_hook(strategy, cfg.accelerator)
+
+
+def _check_comm_hook(strategy: DictConfig, accelerator: str) -> None:
+    hook = strategy.comm_hook
+    if hook not in COMM_HOOKS:
+        raise ConfigError(
+            "strategy.comm_hook",
+            hook,
+            f"one of {', '.join(COMM_HOOKS)} (PyTorch's DDP communication hooks)",
+            "e.g. strategy.comm_hook=fp16",
+        )
+    if hook == "powersgd":
+        _check_whole_number("strategy.powersgd_rank", strategy.powersgd_rank, minimum=1)
+        # PyTorch requires >= 2 with error feedback (on by default).
+        _check_whole_number("strategy.powersgd_start_iter", strategy.powersgd_start_iter, minimum=2)
+    if hook == "bf16" and accelerator == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(
+            "strategy.comm_hook",
+            hook,
+            "bf16 compression needs a GPU with bfloat16 support (Ampere or newer)",
+            "use strategy.comm_hook=fp16",
+        )
+
+
+def _check_benchmark(cfg: DictConfig) -> None:
+    """`experiment=benchmark`: checked before trainer.max_steps (their sum) is resolved."""
+    benchmark = cfg.get("benchmark")
+    if benchmark is None:
+        return
+    _check_whole_number("benchmark.warmup_steps", benchmark.warmup_steps, minimum=0)
+    _check_whole_number("benchmark.steps", benchmark.steps, minimum=1)
 
 
 def _check_trainer_args(cfg: DictConfig) -> None:

@@ -2,16 +2,39 @@
 
 from __future__ import annotations
 
+import contextlib
+import re
 import resource
 import sys
+from pathlib import Path
 
 import torch
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Starts a new peak, so that runs sharing one process (a sweep's jobs) are each
+    measured on their own. On Linux the host peak (VmHWM) is reset through clear_refs."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    # Not Linux, or not permitted: the peak then covers the whole process.
+    with contextlib.suppress(OSError):
+        _CLEAR_REFS.write_text("5")
 
 
 def peak_memory_mb(device: torch.device) -> float:
     """CUDA: max bytes allocated by tensors; CPU: peak resident set size of the process."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        match = re.search(r"VmHWM:\s+(\d+) kB", _STATUS.read_text())
+    except OSError:
+        match = None
+    if match:
+        return int(match.group(1)) / 2**10
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports KiB, macOS bytes.
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from ddp_template.comm_hooks import COMM_HOOKS
 from ddp_template.memory import memory_kind
 
 RESULTS_FILE = "results.json"
@@ -31,11 +32,7 @@ def collect_results(
     metrics = fit_metrics
     per_device_batch = int(cfg.data.batch_size)
     accumulation = int(cfg.trainer.accumulate_grad_batches)
-    peaks = {
-        key.rsplit("_", 1)[-1]: value
-        for key, value in metrics.items()
-        if key.startswith("perf/peak_mem_mb/rank_")
-    }
+    peaks = _per_rank(metrics, "perf/peak_mem_mb/rank_")
     return {
         **test_metrics,
         "val/acc": metrics.get("val/acc"),
@@ -44,6 +41,11 @@ def collect_results(
         "samples_per_sec_per_device": metrics.get("perf/samples_per_sec_per_device"),
         "peak_memory_mb": max(peaks.values()) if peaks else None,
         "peak_memory_mb_per_rank": peaks,
+        "step_time_median_s": metrics.get("perf/step_time_median_s"),
+        "step_time_p90_s": metrics.get("perf/step_time_p90_s"),
+        "data_wait_fraction": metrics.get("perf/data_wait_fraction"),
+        "data_wait_fraction_per_rank": _per_rank(metrics, "perf/data_wait_fraction/rank_"),
+        "measured_steps": int(metrics.get("perf/measured_steps", 0)),
         "memory_kind": memory_kind(trainer.strategy.root_device),
         "world_size": trainer.world_size,
         "num_nodes": trainer.num_nodes,
@@ -65,12 +67,20 @@ def collect_results(
     }
 
 
+def _per_rank(metrics: dict[str, float], prefix: str) -> dict[str, float]:
+    return {key[len(prefix) :]: value for key, value in metrics.items() if key.startswith(prefix)}
+
+
 def _ddp_settings(metrics: dict[str, float]) -> dict[str, Any] | None:
     settings = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("ddp/")}
     if not settings:
         return None
     flags = ("gradient_as_bucket_view", "static_graph", "find_unused_parameters")
-    return {key: bool(value) if key in flags else value for key, value in settings.items()}
+    settings = {key: bool(value) if key in flags else value for key, value in settings.items()}
+    if "comm_hook" in settings:
+        settings["comm_hook"] = COMM_HOOKS[int(settings["comm_hook"])]
+        settings["comm_hook_calls"] = int(settings["comm_hook_calls"])
+    return settings
 
 
 def _best_score(trainer: L.Trainer) -> float | None:

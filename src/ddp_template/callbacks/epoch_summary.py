@@ -12,7 +12,6 @@ class EpochSummary(L.Callback):
         shown = ("train/loss", "train/acc", "val/loss", "val/acc", "perf/samples_per_sec")
         metrics = trainer.callback_metrics
         parts = [f"{key} {float(metrics[key]):.4g}" for key in shown if key in metrics]
-        print(
-            f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs}  " + "  ".join(parts),
-            flush=True,
-        )
+        # max_epochs=-1 (no limit, e.g. a benchmark stopped by max_steps) shows no total.
+        total = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
+        print(f"epoch {trainer.current_epoch + 1}{total}  " + "  ".join(parts), flush=True)

@@ -1,4 +1,5 @@
-"""Training throughput and peak memory, measured the same way for every run."""
+"""Training throughput, step time, data-loader wait and peak memory, measured the same way
+for every run."""
 
 from __future__ import annotations
 
@@ -6,73 +7,129 @@ import time
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.data import extract_batch_size
 
-from ddp_template.memory import peak_memory_mb
+from ddp_template.memory import peak_memory_mb, reset_peak_memory
 
 
 class SpeedMonitor(L.Callback):
-    """Logs, at the end of each training epoch:
+    """Times every training step, from the end of the previous step to the end of this one,
+    and splits it into the wait for the next batch (end of the previous step to the start of
+    this one: the loader, and the loop between steps) and the step itself.
 
-    - `perf/samples_per_sec`: samples processed by all ranks per second of training wall time
-      (data loading included, the first `warmup_batches` of each epoch left out);
+    Not timed: the first `warmup_batches` steps of the fit (allocations, autotuning, worker
+    start-up) and the first step of each epoch (its wait holds validation, checkpoints and
+    the loader's restart). Logged at the end of each training epoch, over every timed step
+    of the fit so far:
+
+    - `perf/samples_per_sec`: samples of all ranks / time of the slowest rank;
     - `perf/samples_per_sec_per_device`;
-    - `perf/peak_mem_mb/rank_<N>`: peak memory of every rank (gathered, so rank 0 has all).
+    - `perf/step_time_median_s`, `perf/step_time_p90_s` (the slowest rank's);
+    - `perf/data_wait_fraction` (largest over ranks) and `perf/data_wait_fraction/rank_<N>`;
+    - `perf/measured_steps`: steps timed;
+    - `perf/peak_mem_mb/rank_<N>`: peak memory of every rank since the fit started.
 
     Values are logged as metrics, so they also reach the main process under ddp_spawn.
+    On CUDA, `sync_each_step` waits for the GPU at the end of each step: without it, the
+    time of queued kernels lands in whichever step synchronises next.
     """
 
-    def __init__(self, warmup_batches: int = 2) -> None:
+    def __init__(self, warmup_batches: int = 2, sync_each_step: bool = False) -> None:
         self.warmup_batches = warmup_batches
-        self._start: float | None = None
+        self.sync_each_step = sync_each_step
+        self._reset()
+
+    def _reset(self) -> None:
+        self._steps_seen = 0
+        self._previous_end: float | None = None
+        self._batch_start = 0.0
+        self._batch_samples = 0
         self._samples = 0
+        self._periods: list[float] = []
+        self._waits: list[float] = []
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._reset()
+        reset_peak_memory(pl_module.device)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._start, self._samples = None, 0
+        self._previous_end = None
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if batch_idx == self.warmup_batches:
-            self._synchronize(pl_module.device)
-            self._start = time.perf_counter()
-        if self._start is not None:
-            self._samples += extract_batch_size(batch)
+        self._batch_start = time.perf_counter()
+        self._batch_samples = extract_batch_size(batch)
+
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if self.sync_each_step:
+            _synchronize(pl_module.device)
+        end = time.perf_counter()
+        if self._steps_seen >= self.warmup_batches and self._previous_end is not None:
+            self._periods.append(end - self._previous_end)
+            self._waits.append(self._batch_start - self._previous_end)
+            self._samples += self._batch_samples
+        self._previous_end = end
+        self._steps_seen += 1
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         device = pl_module.device
-        elapsed = 0.0
-        if self._start is not None:
-            self._synchronize(device)
-            elapsed = time.perf_counter() - self._start
-        # Every rank takes part in these collectives, whether it measured a window or not.
-        samples = trainer.strategy.reduce(
-            torch.tensor(float(self._samples), device=device), reduce_op="sum"
-        )
-        slowest = trainer.strategy.reduce(torch.tensor(elapsed, device=device), reduce_op="max")
-        peaks = _gather_floats(peak_memory_mb(device), device)
-        metrics = {f"perf/peak_mem_mb/rank_{rank}": peak for rank, peak in enumerate(peaks)}
-        if float(slowest) > 0:
-            rate = float(samples) / float(slowest)
-            metrics["perf/samples_per_sec"] = rate
-            metrics["perf/samples_per_sec_per_device"] = rate / trainer.world_size
+        elapsed = float(sum(self._periods))
+        periods = self._periods or [0.0]
+        mine = [
+            float(self._samples),
+            elapsed,
+            float(np.median(periods)),
+            float(np.percentile(periods, 90)),
+            float(sum(self._waits)) / elapsed if elapsed > 0 else 0.0,
+            peak_memory_mb(device),
+        ]
+        # Every rank takes part in this collective, whether it timed any step or not.
+        ranks = _gather_rows(mine, device)
+        samples = sum(row[0] for row in ranks)
+        slowest = max(row[1] for row in ranks)
+        metrics = {f"perf/peak_mem_mb/rank_{rank}": row[5] for rank, row in enumerate(ranks)}
+        if slowest > 0:
+            rate = samples / slowest
+            metrics.update(
+                {
+                    "perf/samples_per_sec": rate,
+                    "perf/samples_per_sec_per_device": rate / len(ranks),
+                    "perf/step_time_median_s": max(row[2] for row in ranks),
+                    "perf/step_time_p90_s": max(row[3] for row in ranks),
+                    "perf/data_wait_fraction": max(row[4] for row in ranks),
+                    **{
+                        f"perf/data_wait_fraction/rank_{rank}": row[4]
+                        for rank, row in enumerate(ranks)
+                    },
+                }
+            )
+        metrics["perf/measured_steps"] = float(len(self._periods))
         # Already reduced over ranks: every rank logs the same value.
         pl_module.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=False)
 
-    @staticmethod
-    def _synchronize(device: torch.device) -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def _gather_floats(value: float, device: torch.device) -> list[float]:
-    """One value from every rank, on every rank (a sum of one-hot slots: one all_reduce,
-    available in every torch release)."""
+def _gather_rows(values: list[float], device: torch.device) -> list[list[float]]:
+    """One row of values from every rank, on every rank (a sum of one-hot rows: a single
+    all_reduce, available in every torch release and backend)."""
     if not (dist.is_available() and dist.is_initialized()):
-        return [value]
-    slots = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
-    slots[dist.get_rank()] = value
-    dist.all_reduce(slots)
-    return slots.tolist()
+        return [values]
+    rows = torch.zeros(dist.get_world_size(), len(values), dtype=torch.float64, device=device)
+    rows[dist.get_rank()] = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(rows)
+    return rows.tolist()

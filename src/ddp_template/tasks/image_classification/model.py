@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torchvision import models
 
@@ -20,14 +21,19 @@ def build_resnet(
     in_channels: int = 3,
     small_input: bool = False,
     norm: str = "batch",
+    channels_last: bool = False,
 ) -> nn.Module:
-    """A ResNet-family model from torchvision (random weights)."""
+    """A ResNet-family model from torchvision (random weights), optionally channels-last."""
     resnets = [name for name in models.list_models(module=models) if "resnet" in name]
     if arch not in resnets:
         raise ConfigError("task.module.model.arch", arch, f"one of {resnets}", "e.g. resnet18")
     if norm not in NORM_LAYERS:
         raise ConfigError(
             "task.module.model.norm", norm, f"one of {sorted(NORM_LAYERS)}", "e.g. norm=batch"
+        )
+    if not isinstance(channels_last, bool):
+        raise ConfigError(
+            "task.module.model.channels_last", channels_last, "true or false", "channels_last=true"
         )
     model = models.get_model(
         arch, weights=None, num_classes=num_classes, norm_layer=NORM_LAYERS[norm]
@@ -38,4 +44,6 @@ def build_resnet(
         model.maxpool = nn.Identity()
     elif in_channels != 3:
         model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
     return model

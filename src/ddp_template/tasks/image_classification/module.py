@@ -34,6 +34,10 @@ class ImageClassifier(L.LightningModule):
         # lets checkpoints load with torch.load(weights_only=True).
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.model = build_resnet(num_classes=num_classes, in_channels=in_channels, **model)
+        # Inputs follow the weights' layout; a mismatch would make every convolution convert.
+        self.memory_format = (
+            torch.channels_last if model.get("channels_last") else torch.contiguous_format
+        )
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.criterion = nn.CrossEntropyLoss()
@@ -44,7 +48,7 @@ class ImageClassifier(L.LightningModule):
         self.test_acc = MulticlassAccuracy(num_classes, average="micro")
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.model(images)
+        return self.model(images.contiguous(memory_format=self.memory_format))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
         images, labels = batch

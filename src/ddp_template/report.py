@@ -1,0 +1,334 @@
+"""A sweep folder -> one comparison table: `report.md`, `report.csv` and `report.png`.
+
+    python train.py -m experiment=benchmark recipe=baseline,amp,data,comm
+    python -m ddp_template.report multirun/<date>/<time>_<pid>
+
+Each job of the sweep is one row, named by the overrides that differ between the jobs
+(`recipe=amp`, `strategy.bucket_cap_mb=50`, ...), read from the job's `.hydra/overrides.yaml`.
+Speed-up and memory change are relative to the baseline row: the job with `recipe=baseline`
+when there is one, else the first job (`--baseline TEXT` picks another).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ddp_template.errors import UserFacingError
+
+RESULTS_FILE = "results.json"
+OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
+OUTPUTS = ("report.md", "report.csv", "report.png")
+
+CSV_COLUMNS = (
+    "setting",
+    "samples_per_sec",
+    "samples_per_sec_per_device",
+    "step_time_median_s",
+    "step_time_p90_s",
+    "data_wait_fraction",
+    "peak_memory_mb",
+    "memory_kind",
+    "speedup",
+    "memory_change",
+    "precision_used",
+    "world_size",
+    "bucket_cap_mb",
+    "comm_hook",
+    "job_dir",
+)
+
+MEMORY_KINDS = {"cuda_max_allocated": "CUDA max allocated", "host_peak_rss": "host peak RSS"}
+
+
+class NoResults(UserFacingError):
+    """The folder holds no results of this project's runs."""
+
+
+def load_rows(folder: str | Path, baseline: str | None = None) -> list[dict[str, Any]]:
+    """One dict per job of a sweep folder (in job order), with speed-up and memory change
+    relative to the baseline row. Jobs that left no results.json are left out."""
+    folder = Path(folder)
+    jobs = _job_dirs(folder)
+    measured = [(job, _read_results(job)) for job in jobs]
+    measured = [(job, result) for job, result in measured if result is not None]
+    if not measured:
+        raise NoResults(_no_results_message(folder, jobs))
+    overrides = {job: _overrides(job) for job, _ in measured}
+    names = _setting_names(overrides)
+    rows = [_row(job, result, names[job]) for job, result in measured]
+    _add_relative_columns(rows, _baseline_index(rows, baseline))
+    return rows
+
+
+def missing_jobs(folder: str | Path) -> list[str]:
+    """Settings of the jobs that ran (they have overrides) but wrote no results.json."""
+    jobs = _job_dirs(Path(folder))
+    names = _setting_names({job: _overrides(job) for job in jobs})
+    return [names[job] for job in jobs if _read_results(job) is None]
+
+
+def _job_dirs(folder: Path) -> list[Path]:
+    if not folder.is_dir():
+        return []
+    found = {p.parent for p in folder.rglob(RESULTS_FILE)}
+    found |= {p.parent.parent for p in folder.rglob(str(OVERRIDES_FILE))}
+    return sorted(found, key=_job_order)
+
+
+def _job_order(job: Path) -> tuple:
+    # Hydra numbers the jobs of a sweep 0, 1, ... 10: numeric order, not text order.
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in job.parts)
+
+
+def _read_results(job: Path) -> dict[str, Any] | None:
+    file = job / RESULTS_FILE
+    try:
+        result = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(result, dict) or "samples_per_sec" not in result:
+        return None
+    return result
+
+
+def _no_results_message(folder: Path, jobs: list[Path]) -> str:
+    if not folder.is_dir():
+        return (
+            f"{folder} is not a folder. Point the report at a sweep folder, e.g. "
+            "`python -m ddp_template.report multirun/<date>/<time>_<pid>` after "
+            "`python train.py -m experiment=benchmark recipe=baseline,amp,data,comm`."
+        )
+    if jobs:
+        return (
+            f"{folder} holds {len(jobs)} job folder(s) but none has a readable {RESULTS_FILE} "
+            "with a samples/s figure: the jobs failed or are still running (see each job's "
+            "train.log). Run the report again once they have finished."
+        )
+    return (
+        f"{folder} holds no {RESULTS_FILE} of a training run, so there is nothing to compare. "
+        "Point the report at the folder a sweep wrote (multirun/<date>/<time>_<pid>, the one "
+        "holding multirun.yaml and the numbered job folders), or at a folder of runs."
+    )
+
+
+def _overrides(job: Path) -> list[str]:
+    file = job / OVERRIDES_FILE
+    if not file.is_file():
+        return []
+    loaded = yaml.safe_load(file.read_text()) or []
+    return [str(item) for item in loaded]
+
+
+def _split(override: str) -> tuple[str, str]:
+    key, _, value = override.partition("=")
+    return key.lstrip("+~"), value
+
+
+def _setting_names(overrides: dict[Path, list[str]]) -> dict[Path, str]:
+    """Names made of the overrides whose value differs between jobs."""
+    parsed = {job: dict(_split(o) for o in items) for job, items in overrides.items()}
+    keys = {key for items in parsed.values() for key in items if not key.startswith("hydra.")}
+    varying = sorted(
+        (key for key in keys if len({items.get(key) for items in parsed.values()}) > 1),
+        key=lambda key: _first_position(key, overrides),
+    )
+    names = {}
+    for job, items in parsed.items():
+        shown = varying if len(parsed) > 1 else sorted(items)
+        parts = [f"{key}={items[key]}" for key in shown if key in items]
+        names[job] = " ".join(parts) or job.name
+    return names
+
+
+def _first_position(key: str, overrides: dict[Path, list[str]]) -> int:
+    """Keys keep the order they were typed in."""
+    for items in overrides.values():
+        for position, override in enumerate(items):
+            if _split(override)[0] == key:
+                return position
+    return 0
+
+
+def _row(job: Path, result: dict[str, Any], name: str) -> dict[str, Any]:
+    ddp = result.get("ddp") or {}
+    return {
+        "setting": name,
+        "samples_per_sec": result.get("samples_per_sec"),
+        "samples_per_sec_per_device": result.get("samples_per_sec_per_device"),
+        "step_time_median_s": result.get("step_time_median_s"),
+        "step_time_p90_s": result.get("step_time_p90_s"),
+        "data_wait_fraction": result.get("data_wait_fraction"),
+        "peak_memory_mb": result.get("peak_memory_mb"),
+        "memory_kind": result.get("memory_kind"),
+        "speedup": None,
+        "memory_change": None,
+        "precision_used": result.get("precision_used"),
+        "world_size": result.get("world_size"),
+        "bucket_cap_mb": ddp.get("bucket_cap_mb"),
+        "comm_hook": ddp.get("comm_hook"),
+        "job_dir": str(job),
+    }
+
+
+def _baseline_index(rows: list[dict[str, Any]], baseline: str | None) -> int:
+    if baseline is None:
+        named = [i for i, row in enumerate(rows) if "recipe=baseline" in row["setting"].split()]
+        return named[0] if named else 0
+    for index, row in enumerate(rows):
+        if baseline in row["setting"]:
+            return index
+    settings = ", ".join(row["setting"] for row in rows)
+    raise UserFacingError(
+        f"--baseline {baseline!r} matches no row of the sweep (rows: {settings}). "
+        "Fix: pass part of one of those settings, or leave --baseline out."
+    )
+
+
+def _add_relative_columns(rows: list[dict[str, Any]], base: int) -> None:
+    reference = rows[base]
+    for row in rows:
+        row["baseline"] = row is reference
+        row["speedup"] = _ratio(row["samples_per_sec"], reference["samples_per_sec"])
+        memory = _ratio(row["peak_memory_mb"], reference["peak_memory_mb"])
+        row["memory_change"] = None if memory is None else memory - 1.0
+
+
+def _ratio(value: float | None, reference: float | None) -> float | None:
+    if value is None or not reference:
+        return None
+    return value / reference
+
+
+def memory_label(rows: list[dict[str, Any]]) -> str:
+    kinds = {row["memory_kind"] for row in rows}
+    return MEMORY_KINDS.get(kinds.pop(), "peak") if len(kinds) == 1 else "peak"
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    memory = memory_label(rows)
+    header = (
+        "| setting | samples/s | per device | step median (ms) | step p90 (ms) "
+        f"| loader wait | memory (MiB, {memory}) | speed-up | memory change | precision |"
+    )
+    lines = [header, "|" + "---|" * 10]
+    for row in rows:
+        name = f"**{row['setting']}**" if row["baseline"] else row["setting"]
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    name,
+                    _number(row["samples_per_sec"], ",.1f"),
+                    _number(row["samples_per_sec_per_device"], ",.1f"),
+                    _number(_ms(row["step_time_median_s"]), ",.0f"),
+                    _number(_ms(row["step_time_p90_s"]), ",.0f"),
+                    _number(row["data_wait_fraction"], ".1%"),
+                    _number(row["peak_memory_mb"], ",.0f"),
+                    _number(row["speedup"], ".2f", prefix="x"),
+                    _number(row["memory_change"], "+.0%"),
+                    row["precision_used"] or "n/a",
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1000 * seconds
+
+
+def _number(value: float | None, spec: str, prefix: str = "") -> str:
+    return "n/a" if value is None else prefix + format(value, spec)
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    with path.open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Bar charts of throughput and peak memory, one bar per row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [row["setting"] for row in rows]
+    rates = [row["samples_per_sec"] or 0.0 for row in rows]
+    memory = [row["peak_memory_mb"] or 0.0 for row in rows]
+    height = 1.2 + 0.45 * len(rows)
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, height), sharey=True)
+    left.barh(names, rates, color="tab:blue")
+    left.set_xlabel("samples/s (all devices)")
+    right.barh(names, memory, color="tab:orange")
+    right.set_xlabel(f"peak memory per rank, MiB ({memory_label(rows)})")
+    left.invert_yaxis()
+    for axis, values, spec in ((left, rates, ",.1f"), (right, memory, ",.0f")):
+        for position, value in enumerate(values):
+            axis.text(value, position, " " + format(value, spec), va="center", fontsize=8)
+        axis.margins(x=0.2)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def write_report(folder: str | Path, baseline: str | None = None) -> str:
+    """Writes report.md, report.csv and report.png into the sweep folder; returns the table."""
+    folder = Path(folder)
+    rows = load_rows(folder, baseline)
+    table = markdown_table(rows)
+    missing = missing_jobs(folder)
+    note = "".join(f"\nNot measured (no {RESULTS_FILE}): {name}" for name in missing)
+    (folder / "report.md").write_text(
+        f"# {folder}\n\n{table}\n\nSpeed-up and memory change are relative to the row in "
+        f"bold. {_memory_note(rows)}\n{note}\n"
+    )
+    write_csv(rows, folder / "report.csv")
+    plot(rows, folder / "report.png")
+    return table + note
+
+
+def _memory_note(rows: list[dict[str, Any]]) -> str:
+    if memory_label(rows) == MEMORY_KINDS["host_peak_rss"]:
+        return (
+            "Memory is the peak resident set of the training process (largest rank), "
+            "DataLoader workers not included."
+        )
+    return "Memory is the peak of CUDA memory allocated by tensors (largest rank)."
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ddp_template.report",
+        description="Compare the jobs of a sweep: report.md, report.csv, report.png.",
+    )
+    parser.add_argument("folder", help="a sweep folder, e.g. multirun/<date>/<time>_<pid>")
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help="part of the setting of the reference row (default: recipe=baseline, else job 0)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        table = write_report(args.folder, args.baseline)
+    except UserFacingError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(table)
+    written = ", ".join(str(Path(args.folder) / name) for name in OUTPUTS)
+    print(f"\nwritten: {written}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
