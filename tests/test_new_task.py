@@ -89,23 +89,37 @@ def test_default_source_is_image_classification(root: Path) -> None:
     assert "from ddp_template.tasks.speech_tagging.model import" in module
 
 
+@pytest.mark.parametrize("source", available_sources())
+def test_config_targets_name_the_generated_classes(source: str, root: Path) -> None:
+    create_task("speech_tagging", source=source, root=root)
+    task = OmegaConf.load(root / "conf" / "task" / "speech_tagging.yaml").task
+    assert task.name == "speech_tagging"
+    for part in ("datamodule", "module"):
+        package, file, cls = task[part]._target_.rsplit(".", 2)
+        assert package == "ddp_template.tasks.speech_tagging"
+        text = (root / TASKS_DIR / "speech_tagging" / f"{file}.py").read_text()
+        assert f"\nclass {cls}(" in text
+    for relative in root.rglob("*.*"):
+        assert source not in relative.read_text(), f"{relative} still names {source}"
+
+
 def listing_of_bare_root() -> list[str]:
     return ["conf", "conf/task", "src", "src/ddp_template", "src/ddp_template/tasks", "tests"]
 
 
-def test_generated_files_are_formatted_and_lint_clean(root: Path) -> None:
+def test_generated_files_are_formatted_and_lint_clean(tmp_path: Path) -> None:
     ruff = Path(sys.executable).parent / "ruff"
     if not ruff.exists():
         pytest.skip("ruff is not installed")
-    # Ruff tells first-party imports by the package a file sits in.
-    shutil.copy2(ROOT / "pyproject.toml", root)
-    (root / "src" / "ddp_template" / "__init__.py").touch()
-    (root / TASKS_DIR / "__init__.py").touch()
+    # In a copy of the project, so that ruff tells first-party imports as it does here.
+    project = copy_project(tmp_path / "project")
+    files = []
     for source in available_sources():
-        create_task(f"copy_of_{source}", source=source, root=root)
+        files += create_task(f"{source.split('_')[0]}_copy", source=source, root=project)
+    paths = [str(p) for p in files if p.suffix == ".py"]
     for args in (["format", "--check"], ["check"]):
         proc = subprocess.run(
-            [str(ruff), *args, "--no-cache", "."], cwd=root, capture_output=True, text=True
+            [str(ruff), *args, "--no-cache", *paths], cwd=project, capture_output=True, text=True
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
 

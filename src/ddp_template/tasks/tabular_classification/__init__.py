@@ -1,1 +1,1 @@
-"""Image classification: a torchvision ResNet on digits, CIFAR-10, an image folder or noise."""
+"""Tabular classification: a multilayer perceptron with batch norm on scikit-learn tables."""

@@ -1,4 +1,4 @@
-"""DataModule of the image classification task: `data=<name>` picks the source."""
+"""DataModule of the tabular classification task: `data=<name>` picks the table."""
 
 from __future__ import annotations
 
@@ -46,12 +46,8 @@ class TabularClassificationDataModule(ShardedDataModule):
 
     @property
     def in_channels(self) -> int:
-        return self.source.in_channels
-
-    def prepare_data(self) -> None:
-        prepare = getattr(self.source, "prepare", None)
-        if prepare is not None:
-            prepare()
+        """Input width of the model: the number of feature columns."""
+        return self.source.num_features
 
     def setup(self, stage: str) -> None:
         if self.train_set is None:

@@ -1,41 +1,56 @@
-"""torchvision ResNets, with the stem adapted to small images and any channel count."""
+"""A multilayer perceptron for rows of numeric features.
+
+Each hidden block is Linear -> norm -> ReLU -> Dropout. With batch norm, a batch's statistics
+are those of the rank's own batch; `sync_batchnorm=true` (CUDA only) turns the layers into
+SyncBatchNorm, which computes them over the global batch: with small per-device batches,
+as tabular data often has, that is what keeps DDP training close to single-device training.
+"""
 
 from __future__ import annotations
 
+import numbers
+
 from torch import nn
-from torchvision import models
 
 from ddp_template.errors import ConfigError
 
-NORM_LAYERS = {
-    "batch": nn.BatchNorm2d,
-    "group": lambda channels: nn.GroupNorm(min(32, channels // 4), channels),
-    "none": nn.Identity,
-}
+NORM_LAYERS = {"batch": nn.BatchNorm1d, "layer": nn.LayerNorm, "none": nn.Identity}
 
 
-def build_resnet(
-    arch: str,
+def build_mlp(
+    num_features: int,
     num_classes: int,
-    in_channels: int = 3,
-    small_input: bool = False,
+    hidden: list[int] | tuple[int, ...] = (64, 64),
     norm: str = "batch",
-) -> nn.Module:
-    """A ResNet-family model from torchvision (random weights)."""
-    resnets = [name for name in models.list_models(module=models) if "resnet" in name]
-    if arch not in resnets:
-        raise ConfigError("task.module.model.arch", arch, f"one of {resnets}", "e.g. resnet18")
+    dropout: float = 0.0,
+) -> nn.Sequential:
+    """Hidden blocks of the given widths, then a linear layer to the class logits."""
+    if not all(_is_width(w) for w in hidden):
+        raise ConfigError(
+            "task.module.model.hidden", hidden, "a list of widths >= 1", "e.g. [64,64]"
+        )
     if norm not in NORM_LAYERS:
         raise ConfigError(
             "task.module.model.norm", norm, f"one of {sorted(NORM_LAYERS)}", "e.g. norm=batch"
         )
-    model = models.get_model(
-        arch, weights=None, num_classes=num_classes, norm_layer=NORM_LAYERS[norm]
-    )
-    if small_input:
-        # 8x8 or 32x32 inputs: a 7x7/2 conv and a max-pool would shrink them to nothing.
-        model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
-        model.maxpool = nn.Identity()
-    elif in_channels != 3:
-        model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
-    return model
+    if not isinstance(dropout, numbers.Real) or not 0.0 <= dropout < 1.0:
+        raise ConfigError(
+            "task.module.model.dropout", dropout, "a probability in [0, 1)", "e.g. dropout=0.1"
+        )
+    layers: list[nn.Module] = []
+    width = num_features
+    for size in hidden:
+        # A norm layer's own shift makes the linear layer's bias redundant.
+        layers += [
+            nn.Linear(width, size, bias=norm == "none"),
+            NORM_LAYERS[norm](size),
+            nn.ReLU(),
+            nn.Dropout(dropout),
+        ]
+        width = size
+    layers.append(nn.Linear(width, num_classes))
+    return nn.Sequential(*layers)
+
+
+def _is_width(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1

@@ -1,23 +1,23 @@
-"""Image data sets, each described by a small class: what it holds and how to split it.
+"""Tabular data sets bundled with scikit-learn, each described by a small class: what it
+holds and how to split it.
 
 A source is cheap to construct (no data is read), so the config check can build it before
-any worker starts and reject a bad `root` or option with a clear message.
+any worker starts and reject a bad option with a clear message. Features are standardised
+with the mean and spread of the training split only: nothing of the validation or test rows
+leaks into training.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+from typing import ClassVar
 
 import torch
-from torch.utils.data import Dataset, Subset, TensorDataset
-from torchvision import datasets, transforms
+from torch.utils.data import Dataset, TensorDataset
 
 from ddp_template.errors import ConfigError
 
 Splits = tuple[Dataset, Dataset, Dataset]
-
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp"}
 
 
 def split_indices(
@@ -30,238 +30,71 @@ def split_indices(
     return order[n_test + n_val :], order[n_test : n_test + n_val], order[:n_test]
 
 
-def _check_fraction(key: str, value: float) -> None:
-    if not 0.0 < value < 1.0:
-        raise ConfigError(
-            f"data.{key}", value, "a fraction between 0 and 1", f"e.g. data.{key}=0.1"
-        )
+def standardise(features: torch.Tensor, train: list[int]) -> torch.Tensor:
+    """Zero mean and unit spread per column, measured on the training rows."""
+    mean = features[train].mean(dim=0)
+    spread = features[train].std(dim=0).clamp_min(1e-8)
+    return (features - mean) / spread
 
 
 @dataclass
-class Digits:
-    """scikit-learn's bundled 8x8 handwritten digits (1,797 images): no download."""
+class BundledTable:
+    """A table of numeric features and class labels that ships with scikit-learn."""
 
     val_fraction: float = 0.1
     test_fraction: float = 0.2
     split_seed: int = 0
-    num_classes: int = 10
-    in_channels: int = 1
+
+    # The loader's name in sklearn.datasets, and what it returns.
+    loader: ClassVar[str]
+    num_features: ClassVar[int]
+    num_classes: ClassVar[int]
 
     def __post_init__(self) -> None:
-        _check_fraction("val_fraction", self.val_fraction)
-        _check_fraction("test_fraction", self.test_fraction)
-
-    def splits(self) -> Splits:
-        from sklearn.datasets import load_digits
-
-        digits = load_digits()
-        images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-        # Mean and spread of the pixel values over the whole data set.
-        images = (images - 0.3) / 0.4
-        labels = torch.tensor(digits.target, dtype=torch.long)
-        full = TensorDataset(images, labels)
-        train, val, test = split_indices(
-            len(full), self.val_fraction, self.test_fraction, self.split_seed
-        )
-        return Subset(full, train), Subset(full, val), Subset(full, test)
-
-
-def _cifar10_class(verify: bool) -> type[datasets.CIFAR10]:
-    """torchvision's CIFAR10, with the MD5 checks of the official files made optional
-    (torchvision checks a file's existence alone when its MD5 is None)."""
-    if verify:
-        return datasets.CIFAR10
-    base = datasets.CIFAR10
-    return type(
-        "CIFAR10Unverified",
-        (base,),
-        {
-            "train_list": [[name, None] for name, _ in base.train_list],
-            "test_list": [[name, None] for name, _ in base.test_list],
-            "meta": {**base.meta, "md5": None},
-        },
-    )
-
-
-CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR_STD = (0.2470, 0.2435, 0.2616)
-
-
-@dataclass
-class CIFAR10:
-    """CIFAR-10 in its python-pickle format, downloaded into `root` by torchvision."""
-
-    root: str = "data"
-    download: bool = True
-    verify: bool = True
-    val_fraction: float = 0.1
-    split_seed: int = 0
-    augment: bool = True
-    num_classes: int = 10
-    in_channels: int = 3
-
-    def __post_init__(self) -> None:
-        _check_fraction("val_fraction", self.val_fraction)
-        folder = Path(self.root) / datasets.CIFAR10.base_folder
-        if not self.download and not folder.is_dir():
-            raise ConfigError(
-                "data.root",
-                self.root,
-                f"no {datasets.CIFAR10.base_folder}/ folder there and data.download=false",
-                "point data.root at the folder holding cifar-10-batches-py/ or set data.download=true",
-            )
-
-    def prepare(self) -> None:
-        """Download once per node (Lightning calls this on local rank 0 only)."""
-        self._dataset(train=True, transform=None, download=self.download)
-        self._dataset(train=False, transform=None, download=self.download)
-
-    def _dataset(self, train: bool, transform, download: bool = False) -> datasets.CIFAR10:
-        dataset_class = _cifar10_class(self.verify)
-        return dataset_class(self.root, train=train, transform=transform, download=download)
-
-    def splits(self) -> Splits:
-        normalize = [transforms.ToTensor(), transforms.Normalize(CIFAR_MEAN, CIFAR_STD)]
-        augment = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()]
-        train_tf = transforms.Compose((augment if self.augment else []) + normalize)
-        eval_tf = transforms.Compose(normalize)
-        train_full = self._dataset(train=True, transform=train_tf)
-        val_full = self._dataset(train=True, transform=eval_tf)
-        train, val, _ = split_indices(len(train_full), self.val_fraction, 0.0, self.split_seed)
-        test = self._dataset(train=False, transform=eval_tf)
-        return Subset(train_full, train), Subset(val_full, val), test
-
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-@dataclass
-class ImageFolder:
-    """Class sub-folders of images, or an ImageNet layout with train/ and val/ inside."""
-
-    root: str = ""
-    image_size: int = 224
-    val_fraction: float = 0.1
-    test_fraction: float = 0.1
-    split_seed: int = 0
-    augment: bool = True
-    in_channels: int = 3
-
-    def __post_init__(self) -> None:
-        root = Path(self.root)
-        if not root.is_dir():
-            raise ConfigError(
-                "data.root",
-                self.root,
-                "a folder of class sub-folders (root/<class>/<image>) or root/train + root/val",
-                "pass data.root=/path/to/images",
-            )
-        if not self._classes():
-            raise ConfigError(
-                "data.root",
-                self.root,
-                "a folder with at least one class sub-folder holding images; found none",
-                "check the path, or arrange the images as root/<class>/<image>.jpg",
-            )
-        if self.image_size < 1:
-            raise ConfigError("data.image_size", self.image_size, "a size >= 1", "e.g. 224")
-
-    @property
-    def _split_roots(self) -> tuple[Path, Path] | None:
-        train, val = Path(self.root) / "train", Path(self.root) / "val"
-        return (train, val) if train.is_dir() and val.is_dir() else None
-
-    def _classes(self) -> list[str]:
-        top = self._split_roots[0] if self._split_roots else Path(self.root)
-        return sorted(
-            d.name
-            for d in top.iterdir()
-            if d.is_dir() and any(f.suffix.lower() in IMAGE_SUFFIXES for f in d.iterdir())
-        )
-
-    @property
-    def num_classes(self) -> int:
-        return len(self._classes())
-
-    def splits(self) -> Splits:
-        normalize = [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
-        train_tf = transforms.Compose(
-            [transforms.RandomResizedCrop(self.image_size), transforms.RandomHorizontalFlip()]
-            + normalize
-            if self.augment
-            else [transforms.Resize(self.image_size), transforms.CenterCrop(self.image_size)]
-            + normalize
-        )
-        eval_tf = transforms.Compose(
-            [transforms.Resize(self.image_size), transforms.CenterCrop(self.image_size)] + normalize
-        )
-        rgb = _rgb_loader
-        if self._split_roots:
-            train_root, val_root = self._split_roots
-            train = datasets.ImageFolder(str(train_root), transform=train_tf, loader=rgb)
-            val = datasets.ImageFolder(str(val_root), transform=eval_tf, loader=rgb)
-            return train, val, val
-        train_full = datasets.ImageFolder(self.root, transform=train_tf, loader=rgb)
-        eval_full = datasets.ImageFolder(self.root, transform=eval_tf, loader=rgb)
-        train, val, test = split_indices(
-            len(train_full), self.val_fraction, self.test_fraction, self.split_seed
-        )
-        return Subset(train_full, train), Subset(eval_full, val), Subset(eval_full, test)
-
-
-def _rgb_loader(path: str):
-    from PIL import Image
-
-    with Image.open(path) as image:
-        return image.convert("RGB")
-
-
-class _NoiseImages(Dataset):
-    """Deterministic random images: sample i is the same on every rank and every epoch."""
-
-    def __init__(self, size: int, shape: tuple[int, ...], num_classes: int, offset: int) -> None:
-        self.size, self.shape, self.num_classes, self.offset = size, shape, num_classes, offset
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        generator = torch.Generator().manual_seed(self.offset + index)
-        image = torch.randn(self.shape, generator=generator)
-        label = int(torch.randint(self.num_classes, (), generator=generator))
-        return image, label
-
-
-@dataclass
-class Synthetic:
-    """Random images of a chosen size and class count, generated on the fly (benchmarks)."""
-
-    num_samples: int = 2048
-    # Size of the validation and of the test split.
-    eval_samples: int = 256
-    image_size: int = 32
-    channels: int = 3
-    num_classes: int = 10
-
-    def __post_init__(self) -> None:
-        for key in ("num_samples", "eval_samples", "image_size", "channels", "num_classes"):
+        for key in ("val_fraction", "test_fraction"):
             value = getattr(self, key)
-            if not isinstance(value, int) or value < 1:
+            if not 0.0 < value < 1.0:
                 raise ConfigError(
-                    f"data.{key}", value, "a whole number >= 1", f"e.g. data.{key}=32"
+                    f"data.{key}", value, "a fraction between 0 and 1", f"e.g. data.{key}=0.1"
                 )
-
-    @property
-    def in_channels(self) -> int:
-        return self.channels
+        if self.val_fraction + self.test_fraction >= 1.0:
+            raise ConfigError(
+                "data.test_fraction",
+                self.test_fraction,
+                f"with data.val_fraction={self.val_fraction}, a sum below 1 (rows must be "
+                "left for training)",
+                "e.g. data.val_fraction=0.1 data.test_fraction=0.2",
+            )
 
     def splits(self) -> Splits:
-        shape = (self.channels, self.image_size, self.image_size)
-        train = _NoiseImages(self.num_samples, shape, self.num_classes, offset=0)
-        val = _NoiseImages(self.eval_samples, shape, self.num_classes, offset=10**9)
-        test = _NoiseImages(self.eval_samples, shape, self.num_classes, offset=2 * 10**9)
-        return train, val, test
+        from sklearn import datasets
+
+        table, labels = getattr(datasets, self.loader)(return_X_y=True)
+        features = torch.tensor(table, dtype=torch.float32)
+        targets = torch.tensor(labels, dtype=torch.long)
+        train, val, test = split_indices(
+            len(targets), self.val_fraction, self.test_fraction, self.split_seed
+        )
+        features = standardise(features, train)
+        return tuple(TensorDataset(features[rows], targets[rows]) for rows in (train, val, test))
 
 
-SOURCES = {"digits": Digits, "cifar10": CIFAR10, "imagefolder": ImageFolder, "synthetic": Synthetic}
+@dataclass
+class BreastCancer(BundledTable):
+    """Wisconsin diagnostic breast cancer: 569 tumours, 30 measurements, malignant or benign."""
+
+    loader: ClassVar[str] = "load_breast_cancer"
+    num_features: ClassVar[int] = 30
+    num_classes: ClassVar[int] = 2
+
+
+@dataclass
+class Wine(BundledTable):
+    """Wines from three cultivars: 178 wines, 13 chemical measurements, 3 classes."""
+
+    loader: ClassVar[str] = "load_wine"
+    num_features: ClassVar[int] = 13
+    num_classes: ClassVar[int] = 3
+
+
+SOURCES = {"breast_cancer": BreastCancer, "wine": Wine}
