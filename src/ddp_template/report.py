@@ -62,7 +62,7 @@ def load_rows(folder: str | Path, baseline: str | None = None) -> list[dict[str,
         raise NoResults(_no_results_message(folder, jobs))
     overrides = {job: _overrides(job) for job, _ in measured}
     names = _setting_names(overrides)
-    rows = [_row(job, result, names[job]) for job, result in measured]
+    rows = [_row(job, result, names[job], overrides[job]) for job, result in measured]
     _add_relative_columns(rows, _baseline_index(rows, baseline))
     return rows
 
@@ -156,10 +156,13 @@ def _first_position(key: str, overrides: dict[Path, list[str]]) -> int:
     return 0
 
 
-def _row(job: Path, result: dict[str, Any], name: str) -> dict[str, Any]:
+def _row(job: Path, result: dict[str, Any], name: str, overrides: list[str]) -> dict[str, Any]:
     ddp = result.get("ddp") or {}
     return {
         "setting": name,
+        "overrides": overrides,
+        "machine": result.get("machine"),
+        "finished_at": result.get("finished_at"),
         "samples_per_sec": result.get("samples_per_sec"),
         "samples_per_sec_per_device": result.get("samples_per_sec_per_device"),
         "step_time_median_s": result.get("step_time_median_s"),
@@ -249,6 +252,23 @@ def _number(value: float | None, spec: str, prefix: str = "") -> str:
     return "n/a" if value is None else prefix + format(value, spec)
 
 
+def describe(rows: list[dict[str, Any]]) -> str:
+    """What every row shares: the overrides, the machine and when it was measured."""
+    shared = [o for o in rows[0]["overrides"] if all(o in row["overrides"] for row in rows)]
+    shared = [o for o in shared if not _split(o)[0].startswith("hydra.")]
+    lines = [f"Common to all rows: {' '.join(shared) or '(no overrides)'}."]
+    machine = rows[0].get("machine")
+    if machine:
+        gpu = machine.get("gpu") or "no GPU"
+        world = rows[0]["world_size"]
+        lines.append(
+            f"Measured on {machine.get('cpu')}, {machine.get('cpu_cores')} CPU cores, {gpu}; "
+            f"world size {world}; torch {machine.get('torch')}, Lightning "
+            f"{machine.get('lightning')}; {rows[0].get('finished_at')}."
+        )
+    return " ".join(lines)
+
+
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
     with path.open("w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=CSV_COLUMNS, extrasaction="ignore")
@@ -289,13 +309,14 @@ def write_report(folder: str | Path, baseline: str | None = None) -> str:
     table = markdown_table(rows)
     missing = missing_jobs(folder)
     note = "".join(f"\nNot measured (no {RESULTS_FILE}): {name}" for name in missing)
-    (folder / "report.md").write_text(
-        f"# {folder}\n\n{table}\n\nSpeed-up and memory change are relative to the row in "
-        f"bold. {_memory_note(rows)}\n{note}\n"
+    caption = (
+        f"{describe(rows)} Speed-up and memory change are relative to the row in bold. "
+        f"{_memory_note(rows)}"
     )
+    (folder / "report.md").write_text(f"# {folder}\n\n{table}\n\n{caption}\n{note}\n")
     write_csv(rows, folder / "report.csv")
     plot(rows, folder / "report.png")
-    return table + note
+    return f"{table}\n\n{caption}{note}"
 
 
 def _memory_note(rows: list[dict[str, Any]]) -> str:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +66,30 @@ def collect_results(
         "weights": str(weights),
         "output_dir": str(cfg.paths.output_dir),
         "config": OmegaConf.to_container(cfg, resolve=True),
+        "machine": machine(trainer.strategy.root_device),
+        "finished_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    """What the figures were measured on, so that a results file speaks for itself."""
+    return {
+        "cpu": _cpu_name(),
+        "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "torch": torch.__version__,
+        "lightning": L.__version__,
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _per_rank(metrics: dict[str, float], prefix: str) -> dict[str, float]:
