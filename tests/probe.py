@@ -49,3 +49,14 @@ class Probe(L.Callback):
         out = Path(trainer.default_root_dir) / "probe" / f"rank_{trainer.global_rank}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(self.record))
+
+
+class FailOnRank(L.Callback):
+    """Raises on one rank in the middle of training: a worker's own error."""
+
+    def __init__(self, rank: int = 1, batch: int = 1) -> None:
+        self.rank, self.batch = rank, batch
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and batch_idx == self.batch:
+            raise ValueError(f"deliberate failure on rank {self.rank}")

@@ -274,3 +274,20 @@ def test_ddp_spawn_sweep(tmp_path: Path) -> None:
     jobs = job_folders(tmp_path / "multirun")
     assert [results(j)["config"]["seed"] for j in jobs] == [1, 2]
     assert all(results(j)["world_size"] == 2 for j in jobs)
+
+
+def test_a_worker_exception_is_shown_once_with_its_rank(tmp_path: Path) -> None:
+    job = tmp_path / "run"
+    proc = train(
+        *TINY_DDP,
+        "+callbacks.fail._target_=probe.FailOnRank",
+        f"hydra.run.dir={job}",
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 2
+    console = proc.stdout + proc.stderr
+    assert console.count("Traceback (most recent call last)") == 1
+    assert "ValueError: deliberate failure on rank 1" in console
+    assert "Worker rank 1" in proc.stderr
+    assert str(job / "logs" / "attempt_0" / "1") in proc.stderr

@@ -19,4 +19,9 @@ class ConfigError(UserFacingError):
 
 
 class WorkerFailed(UserFacingError):
-    """A worker process of the job failed; the message names the rank and its log."""
+    """A worker process of the job failed; the message names the rank and its log, and
+    `details` holds that rank's traceback (shown once, above the message)."""
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details

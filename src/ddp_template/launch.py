@@ -9,6 +9,7 @@ created outside (torchrun), the job trains in the process it is in.
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Callable
@@ -74,14 +75,22 @@ def launch(
         logs_specs=JobLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL, tee={0: Std.OUT}),
         log_line_prefix_template="[rank${rank}] ",
     )
+    _quiet_agent_logs()
     try:
         returns = elastic_launch(launch_config, worker)(config)
     except ChildFailedError as failure:
-        raise WorkerFailed(describe_failure(failure, log_dir)) from None
+        raise describe_failure(failure, log_dir) from None
     return returns[0]
 
 
-def describe_failure(error: ChildFailedError, log_dir: Path) -> str:
+def _quiet_agent_logs() -> None:
+    """The agent logs each failed worker's traceback and every signal it sends; the failing
+    rank's traceback is shown once by `describe_failure` instead. Restart notices stay."""
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+
+
+def describe_failure(error: ChildFailedError, log_dir: Path) -> WorkerFailed:
     """The first rank that failed (by time), why, its traceback, and where its logs are."""
     rank, failure = error.get_first_failure()
     attempts = sorted(log_dir.glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
@@ -99,4 +108,4 @@ def describe_failure(error: ChildFailedError, log_dir: Path) -> str:
         f"Worker rank {rank} (pid {failure.pid}) {cause}. "
         f"Its output is in {rank_logs}/stdout.log and stderr.log."
     )
-    return f"{traceback}\n\n{summary}" if traceback else summary
+    return WorkerFailed(summary, details=traceback)

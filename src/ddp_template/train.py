@@ -76,6 +76,9 @@ def processes_per_node(cfg: DictConfig) -> int:
 
 def _report(err: UserFacingError) -> None:
     """A single run exits with the message alone; in a sweep the job fails, the rest go on."""
+    details = getattr(err, "details", "")
+    if details:
+        print(details, file=sys.stderr)
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         # Hydra records the failed job, runs the others and exits non-zero at the end.
         raise err.with_traceback(None) from None
