@@ -87,6 +87,8 @@ BAD_VALUES = [
     (["ckpt_path=/no/such/file"], "ckpt_path"),
     (["sync_batchnorm=true", "accelerator=cpu"], "sync_batchnorm"),
     (["num_nodes=2"], "num_nodes"),
+    (["devices=2", "num_nodes=0"], "num_nodes"),
+    (["max_restarts=-1"], "max_restarts"),
     (["accelerator=tpu"], "accelerator"),
     (["data=imagefolder", "data.root=/no/such/folder"], "data.root"),
     (["data.val_fraction=1.5"], "data.val_fraction"),

@@ -291,3 +291,39 @@ def test_a_worker_exception_is_shown_once_with_its_rank(tmp_path: Path) -> None:
     assert "ValueError: deliberate failure on rank 1" in console
     assert "Worker rank 1" in proc.stderr
     assert str(job / "logs" / "attempt_0" / "1") in proc.stderr
+
+
+def test_tasks_started_by_srun_train_in_place(tmp_path: Path) -> None:
+    """Two processes with the environment srun gives its tasks (no cluster needed): Lightning's
+    SLURM environment ranks them, no launcher starts more, both agree on one job folder."""
+    port = _free_port()
+    tasks = []
+    for rank in (0, 1):
+        slurm_env = {
+            "SLURM_JOB_ID": "4242",
+            "SLURM_STEP_ID": "0",
+            "SLURM_JOB_NAME": "train",
+            "SLURM_NTASKS": "2",
+            "SLURM_NTASKS_PER_NODE": "2",
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank),
+            "SLURM_NODEID": "0",
+            "SLURM_NODELIST": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        tasks.append(
+            _start([sys.executable, str(ROOT / "train.py"), *TINY_DDP], cwd=tmp_path, env=slurm_env)
+        )
+    outputs = [t.communicate(timeout=300) for t in tasks]
+    assert [t.returncode for t in tasks] == [0, 0], [o[1][-2000:] for o in outputs]
+    job = tmp_path / "outputs" / "slurm" / "4242.0"
+    assert results(job)["world_size"] == 2
+    assert not (job / "logs").exists()
+    assert [p.name for p in (tmp_path / "outputs" / "slurm").iterdir()] == ["4242.0"]
+
+
+def test_sweep_over_the_number_of_devices(tmp_path: Path) -> None:
+    """With Lightning's own launcher, `-m devices=2,1` crashed a child; each job here starts
+    its own workers and leaves nothing behind for the next."""
+    train("-m", "strategy=ddp", "devices=2,1", *FAST, cwd=tmp_path)
+    assert [results(j)["world_size"] for j in job_folders(tmp_path / "multirun")] == [2, 1]
