@@ -17,7 +17,9 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from ddp_template.build import build_task
+from ddp_template.callbacks.watchdog import ON_HANG
 from ddp_template.comm_hooks import COMM_HOOKS
+from ddp_template.debug import DISTRIBUTED_DEBUG_LEVELS
 from ddp_template.errors import ConfigError
 from ddp_template.launch import processes_started_externally
 
@@ -51,6 +53,7 @@ def check_config(cfg: DictConfig) -> None:
     _check_loader(cfg.data)
     _check_task_data(cfg)
     _check_sync_batchnorm(cfg)
+    _check_debug(cfg)
     if cfg.ckpt_path is not None:
         check_checkpoint_file(cfg.ckpt_path)
 
@@ -236,6 +239,77 @@ def _check_sync_batchnorm(cfg: DictConfig) -> None:
             f"SyncBatchNorm needs CUDA devices (accelerator={cfg.accelerator}); torch raises "
             "'SyncBatchNorm layers only work with GPU modules' otherwise",
             "drop sync_batchnorm=true on CPU runs",
+        )
+
+
+def _check_debug(cfg: DictConfig) -> None:
+    """The switches of `debug=`: conf/debug/ adds these callbacks and `debug.*` settings."""
+    callbacks = cfg.get("callbacks") or {}
+    sync_check = callbacks.get("sync_check")
+    if sync_check:
+        _check_whole_number("callbacks.sync_check.every_n_steps", sync_check.every_n_steps, 1)
+    watchdog = callbacks.get("hang_watchdog")
+    if watchdog:
+        timeout = watchdog.timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout <= 0:
+            raise ConfigError(
+                "callbacks.hang_watchdog.timeout_s",
+                timeout,
+                "seconds > 0 without progress before every rank dumps its stacks",
+                "e.g. callbacks.hang_watchdog.timeout_s=300",
+            )
+        if watchdog.on_hang not in ON_HANG:
+            raise ConfigError(
+                "callbacks.hang_watchdog.on_hang",
+                watchdog.on_hang,
+                f"one of {', '.join(ON_HANG)}",
+                "callbacks.hang_watchdog.on_hang=exit",
+            )
+    profiler = callbacks.get("profiler")
+    if profiler:
+        for key in ("wait", "warmup", "repeat"):
+            _check_whole_number(f"callbacks.profiler.{key}", profiler[key], minimum=0)
+        active = profiler.active
+        if isinstance(active, bool) or not isinstance(active, numbers.Integral) or active < 1:
+            raise ConfigError(
+                "callbacks.profiler.active",
+                active,
+                "a whole number >= 1: the profiler records nothing without active steps",
+                "e.g. callbacks.profiler.active=3",
+            )
+    if callbacks.get("host_sync") and cfg.accelerator != "cuda":
+        raise ConfigError(
+            "debug",
+            "host_sync",
+            f"CUDA devices: it finds where the CPU waits for the GPU, and accelerator="
+            f"{cfg.accelerator} has no GPU to wait for",
+            "run debug=host_sync on a GPU machine (accelerator=cuda)",
+        )
+    _check_distributed_debug(cfg)
+
+
+def _check_distributed_debug(cfg: DictConfig) -> None:
+    settings = cfg.get("debug") or {}
+    entries = settings.get("flight_recorder", 0)
+    _check_whole_number("debug.flight_recorder", entries, minimum=0)
+    level = settings.get("distributed_debug")
+    if level is None:
+        return
+    if level not in DISTRIBUTED_DEBUG_LEVELS:
+        raise ConfigError(
+            "debug.distributed_debug",
+            level,
+            f"one of {', '.join(DISTRIBUTED_DEBUG_LEVELS)} (TORCH_DISTRIBUTED_DEBUG)",
+            "debug.distributed_debug=INFO",
+        )
+    gloo = cfg.strategy.get("process_group_backend") == "gloo" or cfg.accelerator != "cuda"
+    if level == "DETAIL" and gloo:
+        raise ConfigError(
+            "debug.distributed_debug",
+            level,
+            "INFO or OFF with gloo (CPU): DETAIL crashed DDP's construction on gloo in torch "
+            "2.14.1 (pytorch #148976)",
+            "debug.distributed_debug=INFO here; DETAIL on GPUs with nccl",
         )
 
 

@@ -25,3 +25,8 @@ class WorkerFailed(UserFacingError):
     def __init__(self, message: str, details: str = "") -> None:
         super().__init__(message)
         self.details = details
+
+
+class TrainingStopped(UserFacingError):
+    """A worker found a fault during training (ranks out of sync, a hang, parameters
+    without a gradient) and stopped the run; its message is the diagnosis."""

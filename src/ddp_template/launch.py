@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from ddp_template.errors import WorkerFailed
+from ddp_template.errors import TrainingStopped, WorkerFailed
 
 Worker = Callable[[dict[str, Any]], Any]
 
@@ -103,7 +103,12 @@ def describe_failure(error: ChildFailedError, log_dir: Path) -> WorkerFailed:
         if isinstance(message, dict):
             traceback = str(message.get("extraInfo", {}).get("py_callstack", "")).rstrip()
             message = message.get("message", "")
-        cause = f"exited with code {failure.exitcode}: {str(message).strip()}"
+        message = str(message).strip()
+        stopped = f"{TrainingStopped.__name__}: "
+        if message.startswith(stopped):
+            # A diagnosis made on purpose (desync, hang, unused parameters): no traceback.
+            message, traceback = message[len(stopped) :].rstrip("."), ""
+        cause = f"exited with code {failure.exitcode}: {message}"
     summary = (
         f"Worker rank {rank} (pid {failure.pid}) {cause}. "
         f"Its output is in {rank_logs}/stdout.log and stderr.log."

@@ -40,5 +40,12 @@ def peak_memory_mb(device: torch.device) -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
 
 
+def peak_reserved_mb(device: torch.device) -> float | None:
+    """CUDA: max bytes the caching allocator held (allocated plus cached); None elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 2**20
+    return None
+
+
 def memory_kind(device: torch.device) -> str:
     return "cuda_max_allocated" if device.type == "cuda" else "host_peak_rss"

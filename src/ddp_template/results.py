@@ -35,6 +35,7 @@ def collect_results(
     per_device_batch = int(cfg.data.batch_size)
     accumulation = int(cfg.trainer.accumulate_grad_batches)
     peaks = _per_rank(metrics, "perf/peak_mem_mb/rank_")
+    reserved = _per_rank(metrics, "perf/peak_reserved_mb/rank_")
     return {
         **test_metrics,
         "val/acc": metrics.get("val/acc"),
@@ -43,6 +44,8 @@ def collect_results(
         "samples_per_sec_per_device": metrics.get("perf/samples_per_sec_per_device"),
         "peak_memory_mb": max(peaks.values()) if peaks else None,
         "peak_memory_mb_per_rank": peaks,
+        # CUDA only: what the caching allocator held, cached blocks included.
+        "peak_reserved_memory_mb_per_rank": reserved or None,
         "step_time_median_s": metrics.get("perf/step_time_median_s"),
         "step_time_p90_s": metrics.get("perf/step_time_p90_s"),
         "data_wait_fraction": metrics.get("perf/data_wait_fraction"),

@@ -92,6 +92,7 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     import lightning as L
 
     from ddp_template.build import build_task, build_trainer
+    from ddp_template.debug import apply_debug_environment, explain_unused_parameters
     from ddp_template.results import (
         RESULTS_FILE,
         WEIGHTS_FILE,
@@ -101,6 +102,8 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     )
 
     cfg = OmegaConf.create(config)
+    # Before the process group starts: PyTorch reads these switches from the environment.
+    apply_debug_environment(cfg)
     _share_cpu_cores(int(cfg.devices))
     _quiet_known_warnings()
     _configure_console_logging()
@@ -109,7 +112,8 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     datamodule, module = build_task(cfg)
     trainer = build_trainer(cfg)
     ckpt_path = _resume_point(cfg, trainer)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    with explain_unused_parameters(module):
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     # trainer.test replaces callback_metrics: keep what fit measured (throughput, memory).
     fit_metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.data import extract_batch_size
 
-from ddp_template.memory import peak_memory_mb, reset_peak_memory
+from ddp_template.memory import peak_memory_mb, peak_reserved_mb, reset_peak_memory
 
 
 class SpeedMonitor(L.Callback):
@@ -31,6 +31,7 @@ class SpeedMonitor(L.Callback):
     - `perf/data_wait_fraction` (largest over ranks) and `perf/data_wait_fraction/rank_<N>`;
     - `perf/measured_steps`: steps timed;
     - `perf/peak_mem_mb/rank_<N>`: peak memory of every rank since the fit started.
+    - `perf/peak_reserved_mb/rank_<N>` (CUDA): the allocator's peak reservation of every rank.
 
     Values are logged as metrics, so they also reach the main process under ddp_spawn.
     On CUDA, `sync_each_step` waits for the GPU at the end of each step: without it, the
@@ -93,12 +94,17 @@ class SpeedMonitor(L.Callback):
             float(np.percentile(periods, 90)),
             float(sum(self._waits)) / elapsed if elapsed > 0 else 0.0,
             peak_memory_mb(device),
+            peak_reserved_mb(device) or 0.0,
         ]
         # Every rank takes part in this collective, whether it timed any step or not.
         ranks = _gather_rows(mine, device)
         samples = sum(row[0] for row in ranks)
         slowest = max(row[1] for row in ranks)
         metrics = {f"perf/peak_mem_mb/rank_{rank}": row[5] for rank, row in enumerate(ranks)}
+        if device.type == "cuda":
+            metrics.update(
+                {f"perf/peak_reserved_mb/rank_{rank}": row[6] for rank, row in enumerate(ranks)}
+            )
         if slowest > 0:
             rate = samples / slowest
             metrics.update(

@@ -1,0 +1,151 @@
+"""What the run really does, read from the live trainer: one table on rank 0 when training
+starts (after the loaders and the DDP wrapper exist)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ddp_template.callbacks.ddp_settings import read_ddp_settings
+
+
+class StartupReport(L.Callback):
+    """Prints the DDP set-up once, on rank 0, and warns when the loader workers of the
+    ranks on a node need more cores than the node has."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        rows, warnings = startup_rows(trainer)
+        table = Table(title="DDP set-up", show_header=False, title_justify="left")
+        table.add_column(style="bold")
+        table.add_column()
+        for name, value in rows:
+            table.add_row(name, value)
+        console = Console()
+        console.print(table)
+        for warning in warnings:
+            console.print(f"warning: {warning}", style="yellow", highlight=False)
+
+
+def startup_rows(trainer: L.Trainer) -> tuple[list[tuple[str, str]], list[str]]:
+    """(name, value) rows of the report, and the warnings that go below it."""
+    loader = trainer.train_dataloader
+    batch = getattr(loader, "batch_size", None)
+    accumulation = trainer.accumulate_grad_batches
+    world = trainer.world_size
+    workers = getattr(loader, "num_workers", 0)
+    local_ranks = trainer.num_devices
+    cores = _cores()
+    rows = [
+        ("world size", f"{world} = {trainer.num_nodes} node(s) x {local_ranks} device(s)"),
+        ("device", str(trainer.strategy.root_device)),
+        ("batch per device", str(batch)),
+        (
+            "global batch",
+            f"{batch * world * accumulation} (= {batch} x {world} ranks x {accumulation} "
+            "accumulation)"
+            if batch
+            else "n/a",
+        ),
+        ("precision used", str(trainer.precision)),
+        ("backend", _backend(trainer)),
+        ("DDP", _ddp_text(trainer)),
+        ("sampler", _sampler_text(loader)),
+        (
+            "loader workers",
+            f"{workers} per rank: {local_ranks} x (1 + {workers}) processes on {cores} cores, "
+            f"{torch.get_num_threads()} torch threads per rank",
+        ),
+        ("debug", _debug_text(trainer)),
+        ("job folder", str(trainer.default_root_dir)),
+        ("checkpoints", _checkpoint_dir(trainer)),
+        ("logs", _log_dirs(trainer)),
+    ]
+    warnings = []
+    if local_ranks * (1 + workers) > cores:
+        fair = max(0, cores // local_ranks - 1)
+        warnings.append(
+            f"{local_ranks} rank(s) x (1 + {workers} loader workers) = "
+            f"{local_ranks * (1 + workers)} processes share {cores} core(s): they compete with "
+            f"training. Try data.num_workers={fair}."
+        )
+    return rows, warnings
+
+
+def _cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _backend(trainer: L.Trainer) -> str:
+    if not (dist.is_available() and dist.is_initialized()):
+        return "none (one process)"
+    timeout = getattr(trainer.strategy, "_timeout", None)
+    waits = f", timeout {timeout.total_seconds():.0f} s" if timeout else ""
+    return f"{dist.get_backend()}{waits}"
+
+
+def _ddp_text(trainer: L.Trainer) -> str:
+    settings = read_ddp_settings(trainer.strategy.model)
+    if settings is None:
+        return "not wrapped (one process)"
+    flags = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")
+    flag_text = ", ".join(f"{flag}={bool(settings[flag])}" for flag in flags)
+    return f"bucket_cap_mb={settings['bucket_cap_mb']:g}, {flag_text}"
+
+
+def _sampler_text(loader: Any) -> str:
+    if not isinstance(loader, DataLoader):
+        return type(loader).__name__
+    sampler = loader.sampler
+    name = type(sampler).__name__
+    if isinstance(sampler, DistributedSampler):
+        name += f"(shuffle={sampler.shuffle}, drop_last={sampler.drop_last})"
+    return f"{name}, loader drop_last={loader.drop_last}"
+
+
+# The callbacks of conf/debug/, named in the report when they run.
+_DEBUG_CALLBACKS = ("GradSyncCheck", "HangWatchdog", "TraceProfiler", "HostSyncFinder")
+
+
+def _debug_text(trainer: L.Trainer) -> str:
+    level = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF")
+    recorder = os.environ.get("TORCH_FR_BUFFER_SIZE", "0")
+    active = [type(c).__name__ for c in trainer.callbacks if type(c).__name__ in _DEBUG_CALLBACKS]
+    return (
+        f"TORCH_DISTRIBUTED_DEBUG={level}, flight recorder {recorder}, "
+        f"detect_anomaly={torch.is_anomaly_enabled()}, " + (", ".join(active) or "no checks")
+    )
+
+
+def _checkpoint_dir(trainer: L.Trainer) -> str:
+    callback = trainer.checkpoint_callback
+    if callback is None or not callback.dirpath:
+        return "none"
+    return _in_job(trainer, callback.dirpath)
+
+
+def _log_dirs(trainer: L.Trainer) -> str:
+    parts = []
+    if (Path(trainer.default_root_dir) / "logs").is_dir():
+        parts.append("logs/attempt_<N>/<rank>/ (every rank)")
+    if trainer.logger is not None and trainer.logger.log_dir:
+        parts.append(f"{_in_job(trainer, trainer.logger.log_dir)} (metrics)")
+    return ", ".join(parts) or "console only"
+
+
+def _in_job(trainer: L.Trainer, path: str) -> str:
+    """A path relative to the job folder when it is inside it (the row above names it)."""
+    job = Path(trainer.default_root_dir).resolve()
+    resolved = Path(path).resolve()
+    return f"{resolved.relative_to(job)}/" if resolved.is_relative_to(job) else str(path)

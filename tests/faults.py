@@ -1,0 +1,69 @@
+"""Faults the diagnostics tests inject, each added from the command line, e.g.
+`+callbacks.desync._target_=faults.DesyncRank`: a rank that drifts, a rank that stops in
+a step, a module with a layer that never gets a gradient; and a probe of the debug
+environment every rank saw."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+
+from ddp_template.debug import debug_print
+from ddp_template.tasks.image_classification.module import ImageClassifier
+
+
+class DesyncRank(L.Callback):
+    """After the first training step, rank 1 nudges one weight: from then on the ranks
+    train different models, which DDP never notices."""
+
+    def __init__(self, parameter: str = "model.fc.weight") -> None:
+        self.parameter = parameter
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == 1:
+            with torch.no_grad():
+                dict(pl_module.named_parameters())[self.parameter].view(-1)[0] += 1e-3
+
+
+class SleepInStep(L.Callback):
+    """Rank 1 sleeps inside training step `step`, leaving the other ranks waiting in the
+    gradient all-reduce. Writes the time it fell asleep to `<job>/asleep`."""
+
+    def __init__(self, step: int = 1, seconds: float = 600.0) -> None:
+        self.step = step
+        self.seconds = seconds
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == self.step:
+            (Path(trainer.default_root_dir) / "asleep").write_text(str(time.time()))
+            time.sleep(self.seconds)
+
+
+class UnusedBranchClassifier(ImageClassifier):
+    """The image classifier with an extra head that forward never calls."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.unused_head = nn.Linear(4, 2)
+
+
+class DebugProbe(L.Callback):
+    """Calls debug_print on every rank and records the debug settings each rank runs with."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        debug_print(f"hello from pid {os.getpid()}", f"world size {trainer.world_size}")
+        record = {
+            "TORCH_DISTRIBUTED_DEBUG": os.environ.get("TORCH_DISTRIBUTED_DEBUG"),
+            "debug_level": str(torch.distributed.get_debug_level()),
+            "TORCH_FR_BUFFER_SIZE": os.environ.get("TORCH_FR_BUFFER_SIZE"),
+            "anomaly": torch.is_anomaly_enabled(),
+        }
+        out = Path(trainer.default_root_dir) / "debug_probe" / f"rank_{trainer.global_rank}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record))
