@@ -18,6 +18,7 @@ from omegaconf import open_dict
 
 from ddp_template import resolvers
 from ddp_template.callbacks.host_sync import HostSyncFinder
+from ddp_template.callbacks.startup_report import oversubscription_warning
 from ddp_template.checks import check_config
 from ddp_template.errors import ConfigError
 from ddp_template.train import CONFIG_DIR
@@ -286,3 +287,13 @@ def test_host_sync_finder_reports_each_line_once(capsys) -> None:
     out = capsys.readouterr().out
     assert out.count("host sync: ") == 1 and "test_debug.py:" in out
     assert re.search(r"3 x  .*test_debug.py:\d+ +warnings.warn", out)
+
+
+def test_loader_workers_beyond_the_cores_are_warned_about() -> None:
+    assert oversubscription_warning(local_ranks=2, workers=0, cores=2) is None
+    assert oversubscription_warning(local_ranks=4, workers=1, cores=8) is None
+    warning = oversubscription_warning(local_ranks=2, workers=4, cores=8)
+    assert warning == (
+        "2 rank(s) x (1 + 4 loader workers) = 10 processes share 8 core(s): they compete "
+        "with training. Try data.num_workers=3."
+    )

@@ -281,8 +281,8 @@ def _check_debug(cfg: DictConfig) -> None:
         raise ConfigError(
             "debug",
             "host_sync",
-            f"CUDA devices: it finds where the CPU waits for the GPU, and accelerator="
-            f"{cfg.accelerator} has no GPU to wait for",
+            f"only on CUDA devices: it finds where the CPU waits for the GPU, and "
+            f"accelerator={cfg.accelerator} has no GPU",
             "run debug=host_sync on a GPU machine (accelerator=cuda)",
         )
     _check_distributed_debug(cfg)

@@ -33,7 +33,7 @@ class StartupReport(L.Callback):
         console = Console()
         console.print(table)
         for warning in warnings:
-            console.print(f"warning: {warning}", style="yellow", highlight=False)
+            console.print(f"warning: {warning}", style="yellow", highlight=False, soft_wrap=True)
 
 
 def startup_rows(trainer: L.Trainer) -> tuple[list[tuple[str, str]], list[str]]:
@@ -70,15 +70,21 @@ def startup_rows(trainer: L.Trainer) -> tuple[list[tuple[str, str]], list[str]]:
         ("checkpoints", _checkpoint_dir(trainer)),
         ("logs", _log_dirs(trainer)),
     ]
-    warnings = []
-    if local_ranks * (1 + workers) > cores:
-        fair = max(0, cores // local_ranks - 1)
-        warnings.append(
-            f"{local_ranks} rank(s) x (1 + {workers} loader workers) = "
-            f"{local_ranks * (1 + workers)} processes share {cores} core(s): they compete with "
-            f"training. Try data.num_workers={fair}."
-        )
-    return rows, warnings
+    warning = oversubscription_warning(local_ranks, workers, cores)
+    return rows, [warning] if warning else []
+
+
+def oversubscription_warning(local_ranks: int, workers: int, cores: int) -> str | None:
+    """Each rank is one process and each of its loader workers another: more of them than
+    cores, and they take turns on the cores the training steps need."""
+    processes = local_ranks * (1 + workers)
+    if processes <= cores:
+        return None
+    fair = max(0, cores // local_ranks - 1)
+    return (
+        f"{local_ranks} rank(s) x (1 + {workers} loader workers) = {processes} processes share "
+        f"{cores} core(s): they compete with training. Try data.num_workers={fair}."
+    )
 
 
 def _cores() -> int:
