@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
@@ -219,11 +220,14 @@ def flight_recorder_dump() -> dict[str, Any] | None:
         return None
     if not (dist.is_available() and dist.is_initialized()):
         return None
+    # NCCL keeps its own recorder (CUDA events); gloo and the others share one.
+    name = "_dump_nccl_trace" if dist.get_backend() == "nccl" else "_dump_fr_trace"
+    dump = getattr(torch._C._distributed_c10d, name, None)
+    if dump is None:
+        return None
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace
-
-        return pickle.loads(_dump_fr_trace(includeStackTraces=True))
-    except (ImportError, RuntimeError):
+        return pickle.loads(dump(includeStackTraces=True))
+    except RuntimeError:
         return None
 
 
