@@ -125,26 +125,38 @@ def test_report_on_a_folder_without_results_fails_clearly(tmp_path: Path) -> Non
         assert not (folder / "report.md").exists()
 
 
-def test_report_of_a_bucket_size_sweep(tmp_path: Path) -> None:
+def test_report_of_a_bucket_size_sweep_repeated_over_seeds(tmp_path: Path) -> None:
     sweep = tmp_path / "buckets"
     train(
         "-m",
         *TINY_BENCHMARK,
         "recipe=baseline",
+        "seed=1,2",
         "strategy.bucket_cap_mb=1,4",
         f"hydra.sweep.dir={sweep}",
         cwd=tmp_path,
     )
-    proc = report(sweep)
+    assert report(sweep).returncode == 0
+    jobs = csv_rows(sweep)
+    assert [row["setting"] for row in jobs] == [
+        f"seed={seed} strategy.bucket_cap_mb={size}" for seed in (1, 2) for size in (1, 4)
+    ]
+    # Bucket sizes read back from the live DDP model, not from the config.
+    assert [float(row["bucket_cap_mb"]) for row in jobs] == [1.0, 4.0, 1.0, 4.0]
+
+    proc = report(sweep, "--median-over", "seed")
     assert proc.returncode == 0, proc.stderr
     rows = csv_rows(sweep)
     assert [row["setting"] for row in rows] == [
         "strategy.bucket_cap_mb=1",
         "strategy.bucket_cap_mb=4",
     ]
-    # Bucket sizes read back from the live DDP model, not from the config.
-    assert [float(row["bucket_cap_mb"]) for row in rows] == [1.0, 4.0]
+    for row, size in zip(rows, (1, 4), strict=True):
+        same = [float(j["samples_per_sec"]) for j in jobs if j["bucket_cap_mb"] == f"{size}.0"]
+        assert float(row["samples_per_sec"]) == pytest.approx(sum(same) / 2)
+        assert row["repeats"] == "2"
     assert float(rows[0]["speedup"]) == 1.0
+    assert "medians of 2 jobs that differ only in seed" in proc.stdout
 
 
 def test_notebook_plots_a_sweep(recipe_sweep: Path, monkeypatch) -> None:

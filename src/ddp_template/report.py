@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ CSV_COLUMNS = (
     "world_size",
     "bucket_cap_mb",
     "comm_hook",
+    "repeats",
     "job_dir",
 )
 
@@ -51,9 +53,16 @@ class NoResults(UserFacingError):
     """The folder holds no results of this project's runs."""
 
 
-def load_rows(folder: str | Path, baseline: str | None = None) -> list[dict[str, Any]]:
+def load_rows(
+    folder: str | Path, baseline: str | None = None, median_over: str | None = None
+) -> list[dict[str, Any]]:
     """One dict per job of a sweep folder (in job order), with speed-up and memory change
-    relative to the baseline row. Jobs that left no results.json are left out."""
+    relative to the baseline row. Jobs that left no results.json are left out.
+
+    `median_over="seed"` merges the jobs that differ only in that key into one row holding
+    the medians of their figures: repetitions of each setting, interleaved by the sweep
+    (`seed=1,2,3 recipe=...` runs every recipe once per seed), even out a machine whose
+    load changes while the sweep runs."""
     folder = Path(folder)
     jobs = _job_dirs(folder)
     measured = [(job, _read_results(job)) for job in jobs]
@@ -63,8 +72,42 @@ def load_rows(folder: str | Path, baseline: str | None = None) -> list[dict[str,
     overrides = {job: _overrides(job) for job, _ in measured}
     names = _setting_names(overrides)
     rows = [_row(job, result, names[job], overrides[job]) for job, result in measured]
+    if median_over:
+        rows = _medians(rows, median_over)
     _add_relative_columns(rows, _baseline_index(rows, baseline))
     return rows
+
+
+# Figures of a row that repetitions are reduced to the median of.
+_MEASURED = (
+    "samples_per_sec",
+    "samples_per_sec_per_device",
+    "step_time_median_s",
+    "step_time_p90_s",
+    "data_wait_fraction",
+    "peak_memory_mb",
+)
+
+
+def _medians(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        name = " ".join(p for p in row["setting"].split() if _split(p)[0] != key)
+        groups.setdefault(name or "(all)", []).append(row)
+    if all(len(group) == 1 for group in groups.values()):
+        raise UserFacingError(
+            f"--median-over {key}: no two jobs differ only in {key}, so there is nothing to "
+            f"take a median of. Fix: sweep {key} too, e.g. `{key}=1,2,3 recipe=...`, or leave "
+            "--median-over out."
+        )
+    merged = []
+    for name, group in groups.items():
+        row = {**group[0], "setting": name, "repeats": len(group), "median_over": key}
+        for column in _MEASURED:
+            values = [r[column] for r in group if r[column] is not None]
+            row[column] = statistics.median(values) if values else None
+        merged.append(row)
+    return merged
 
 
 def missing_jobs(folder: str | Path) -> list[str]:
@@ -176,6 +219,7 @@ def _row(job: Path, result: dict[str, Any], name: str, overrides: list[str]) -> 
         "world_size": result.get("world_size"),
         "bucket_cap_mb": ddp.get("bucket_cap_mb"),
         "comm_hook": ddp.get("comm_hook"),
+        "repeats": 1,
         "job_dir": str(job),
     }
 
@@ -257,14 +301,19 @@ def describe(rows: list[dict[str, Any]]) -> str:
     shared = [o for o in rows[0]["overrides"] if all(o in row["overrides"] for row in rows)]
     shared = [o for o in shared if not _split(o)[0].startswith("hydra.")]
     lines = [f"Common to all rows: {' '.join(shared) or '(no overrides)'}."]
+    if rows[0]["repeats"] > 1:
+        lines.append(
+            f"Each row: medians of {rows[0]['repeats']} jobs that differ only in "
+            f"{rows[0]['median_over']}."
+        )
     machine = rows[0].get("machine")
     if machine:
         gpu = machine.get("gpu") or "no GPU"
-        world = rows[0]["world_size"]
+        finished = max(str(row.get("finished_at")) for row in rows)
         lines.append(
             f"Measured on {machine.get('cpu')}, {machine.get('cpu_cores')} CPU cores, {gpu}; "
-            f"world size {world}; torch {machine.get('torch')}, Lightning "
-            f"{machine.get('lightning')}; {rows[0].get('finished_at')}."
+            f"world size {rows[0]['world_size']}; torch {machine.get('torch')}, Lightning "
+            f"{machine.get('lightning')}; finished {finished}."
         )
     return " ".join(lines)
 
@@ -302,10 +351,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(figure)
 
 
-def write_report(folder: str | Path, baseline: str | None = None) -> str:
+def write_report(
+    folder: str | Path, baseline: str | None = None, median_over: str | None = None
+) -> str:
     """Writes report.md, report.csv and report.png into the sweep folder; returns the table."""
     folder = Path(folder)
-    rows = load_rows(folder, baseline)
+    rows = load_rows(folder, baseline, median_over)
     table = markdown_table(rows)
     missing = missing_jobs(folder)
     note = "".join(f"\nNot measured (no {RESULTS_FILE}): {name}" for name in missing)
@@ -339,9 +390,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="part of the setting of the reference row (default: recipe=baseline, else job 0)",
     )
+    parser.add_argument(
+        "--median-over",
+        default=None,
+        metavar="KEY",
+        help="merge jobs that differ only in KEY (e.g. seed) into one row of medians",
+    )
     args = parser.parse_args(argv)
     try:
-        table = write_report(args.folder, args.baseline)
+        table = write_report(args.folder, args.baseline, args.median_over)
     except UserFacingError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
