@@ -172,12 +172,6 @@ def test_uneven_data_on_four_ranks_finishes(run_dir: Path, tmp_path: Path) -> No
     assert results(run_dir)["world_size"] == 4
 
 
-def test_ddp_spawn_runs(run_dir: Path, tmp_path: Path) -> None:
-    train(*FAST, "strategy=ddp_spawn", "devices=2", f"hydra.run.dir={run_dir}", cwd=tmp_path)
-    out = results(run_dir)
-    assert out["world_size"] == 2 and out["strategy"] == "ddp_spawn" and "test/acc" in out
-
-
 def test_results_record_the_live_ddp_settings(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     train(

@@ -270,10 +270,14 @@ def test_killed_worker_without_restarts_fails_fast_and_names_it(tmp_path: Path) 
 
 
 def test_ddp_spawn_sweep(tmp_path: Path) -> None:
+    """The articles' mp.spawn: Lightning spawns inside each job; two jobs, one sweep."""
     train("-m", *FAST, "strategy=ddp_spawn", "devices=2", "seed=1,2", cwd=tmp_path)
     jobs = job_folders(tmp_path / "multirun")
     assert [results(j)["config"]["seed"] for j in jobs] == [1, 2]
-    assert all(results(j)["world_size"] == 2 for j in jobs)
+    assert all(
+        results(j)["world_size"] == 2 and results(j)["strategy"] == "ddp_spawn" for j in jobs
+    )
+    assert all("test/acc" in results(j) for j in jobs)
 
 
 def test_a_worker_exception_is_shown_once_with_its_rank(tmp_path: Path) -> None:
