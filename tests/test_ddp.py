@@ -186,3 +186,9 @@ def test_results_record_the_live_ddp_settings(tmp_path: Path) -> None:
     ddp = results(run_dir)["ddp"]
     assert ddp["bucket_cap_mb"] == 7.0
     assert ddp["static_graph"] is True and ddp["find_unused_parameters"] is False
+
+
+def test_ddp_spawn_runs(run_dir: Path, tmp_path: Path) -> None:
+    train(*FAST, "strategy=ddp_spawn", "devices=2", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    out = results(run_dir)
+    assert out["world_size"] == 2 and out["strategy"] == "ddp_spawn" and "test/acc" in out
