@@ -56,6 +56,22 @@ def probes(run_dir: Path) -> list[dict]:
     return [json.loads(f.read_text()) for f in files]
 
 
+def compose_train(*overrides: str):
+    """The training config as Hydra composes it, in this process (no job folder)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import open_dict
+
+    from ddp_template import resolvers
+    from ddp_template.train import CONFIG_DIR
+
+    resolvers.register()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=list(overrides))
+    with open_dict(cfg):
+        cfg.paths.output_dir = "unused"
+    return cfg
+
+
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"

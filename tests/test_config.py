@@ -7,7 +7,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-from hydra import compose, initialize_config_dir
+from conftest import compose_train
 from omegaconf import OmegaConf, open_dict
 
 from ddp_template import resolvers
@@ -21,14 +21,6 @@ GROUPS = ["task", "data", "strategy", "loader", "trainer", "callbacks", "logger"
 
 def options(group: str) -> list[str]:
     return sorted(p.stem for p in (Path(CONFIG_DIR) / group).glob("*.yaml"))
-
-
-def compose_train(*overrides: str):
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("train", overrides=list(overrides))
-    with open_dict(cfg):
-        cfg.paths.output_dir = "unused"
-    return cfg
 
 
 @pytest.mark.parametrize(

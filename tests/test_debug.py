@@ -12,9 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import FAST, results, train
-from hydra import compose, initialize_config_dir
-from omegaconf import open_dict
+from conftest import FAST, compose_train, results, train
 
 from ddp_template import resolvers
 from ddp_template.callbacks.host_sync import HostSyncFinder
@@ -27,14 +25,6 @@ resolvers.register()
 # Two ranks on tiny synthetic images; debug=fast sets the batch limits.
 TWO_RANKS = ["devices=2", "data=synthetic", "data.image_size=8", "logger=none"]
 TINY_DDP = ["strategy=ddp", *TWO_RANKS, *FAST]
-
-
-def compose_train(*overrides: str):
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("train", overrides=list(overrides))
-    with open_dict(cfg):
-        cfg.paths.output_dir = "unused"
-    return cfg
 
 
 @pytest.fixture(scope="module")

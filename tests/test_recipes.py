@@ -11,26 +11,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import train
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf, open_dict
+from conftest import compose_train, train
+from omegaconf import OmegaConf
 
 from ddp_template import resolvers
 from ddp_template.callbacks.speed import SpeedMonitor
 from ddp_template.checks import check_config
 from ddp_template.comm_hooks import COMM_HOOKS, CountingHook, hook_state
 from ddp_template.errors import ConfigError
-from ddp_template.train import CONFIG_DIR
 
 resolvers.register()
-
-
-def compose_train(*overrides: str):
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("train", overrides=list(overrides))
-    with open_dict(cfg):
-        cfg.paths.output_dir = "unused"
-    return cfg
 
 
 def checked(*overrides: str):
