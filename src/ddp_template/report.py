@@ -299,7 +299,10 @@ def _number(value: float | None, spec: str, prefix: str = "") -> str:
 def describe(rows: list[dict[str, Any]]) -> str:
     """What every row shares: the overrides, the machine and when it was measured."""
     shared = [o for o in rows[0]["overrides"] if all(o in row["overrides"] for row in rows)]
-    shared = [o for o in shared if not _split(o)[0].startswith("hydra.")]
+    merged_key = rows[0].get("median_over")
+    shared = [
+        o for o in shared if not _split(o)[0].startswith("hydra.") and _split(o)[0] != merged_key
+    ]
     lines = [f"Common to all rows: {' '.join(shared) or '(no overrides)'}."]
     if rows[0]["repeats"] > 1:
         lines.append(
