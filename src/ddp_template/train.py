@@ -167,6 +167,10 @@ def _configure_console_logging() -> None:
     that reaches the console for rank 0."""
     import logging
 
+    # An advertisement Lightning prints at every start.
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+        lambda record: "litlogger" not in record.getMessage()
+    )
     lightning_logger = logging.getLogger("lightning")
     if logging.getLogger().handlers:
         lightning_logger.handlers.clear()
