@@ -103,6 +103,7 @@ def _medians(rows: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
     merged = []
     for name, group in groups.items():
         row = {**group[0], "setting": name, "repeats": len(group), "median_over": key}
+        row["finished_at"] = max(str(r["finished_at"]) for r in group)
         for column in _MEASURED:
             values = [r[column] for r in group if r[column] is not None]
             row[column] = statistics.median(values) if values else None
