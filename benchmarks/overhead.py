@@ -115,7 +115,12 @@ def main() -> None:
             )
     template, raw = statistics.median(template_ms), statistics.median(raw_ms)
     sigterm = statistics.median(sigterm_us)
+    ratios = sorted(t / r for t, r in zip(template_ms, raw_ms, strict=True))
     print(f"median step: template {template:.1f} ms, plain PyTorch {raw:.1f} ms")
+    print(
+        f"ratio of each pair: {ratios[0]:.3f} to {ratios[-1]:.3f}, median "
+        f"{statistics.median(ratios):.3f} (the spread is the machine's noise)"
+    )
     print(
         f"SIGTERM flag broadcast Lightning runs before each step: {sigterm:.0f} us "
         f"({100 * sigterm / 1000 / raw:.3f}% of a step)"
