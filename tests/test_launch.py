@@ -225,19 +225,15 @@ RESTART_RUN = [
 ]
 
 
+def _start_restart_run(job: Path, max_restarts: int) -> subprocess.Popen:
+    command = [sys.executable, str(ROOT / "train.py"), *RESTART_RUN, f"hydra.run.dir={job}"]
+    return _start([*command, f"max_restarts={max_restarts}"], cwd=job.parent)
+
+
 @pytest.mark.slow
 def test_killed_worker_restarts_and_resumes(tmp_path: Path) -> None:
     job = tmp_path / "run"
-    proc = _start(
-        [
-            sys.executable,
-            str(ROOT / "train.py"),
-            *RESTART_RUN,
-            "max_restarts=1",
-            f"hydra.run.dir={job}",
-        ],
-        cwd=tmp_path,
-    )
+    proc = _start_restart_run(job, max_restarts=1)
     _kill_rank_one_after_first_checkpoint(proc, job)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
@@ -250,16 +246,7 @@ def test_killed_worker_restarts_and_resumes(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_killed_worker_without_restarts_fails_fast_and_names_it(tmp_path: Path) -> None:
     job = tmp_path / "run"
-    proc = _start(
-        [
-            sys.executable,
-            str(ROOT / "train.py"),
-            *RESTART_RUN,
-            "max_restarts=0",
-            f"hydra.run.dir={job}",
-        ],
-        cwd=tmp_path,
-    )
+    proc = _start_restart_run(job, max_restarts=0)
     killed_at = _kill_rank_one_after_first_checkpoint(proc, job)
     out, err = proc.communicate(timeout=120)
     assert time.time() - killed_at < 60
