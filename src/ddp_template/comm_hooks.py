@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -30,11 +32,18 @@ class CountingHook:
 
     DDP checks a hook's signature: the parameters must be named `state` and `bucket`, and
     their annotations, when present, must be the real classes (so there are none here).
+
+    `one_bucket_at_a_time` waits for each bucket's communication before handing it back.
+    PyTorch's PowerSGD hooks wait for a second all-reduce inside a callback of the first;
+    gloo runs those callbacks on its own worker threads (2), so with two buckets in flight
+    both threads can end up waiting for an all-reduce that no thread is left to run: seen
+    here as a hang in backward. One bucket at a time needs only two threads.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, one_bucket_at_a_time: bool = False) -> None:
         self.name = name
         self.hook = _HOOK_FUNCTIONS[name]
+        self.one_bucket_at_a_time = one_bucket_at_a_time
         # DDP's logging data names the hook after __qualname__: the real hook's.
         self.__qualname__ = self.hook.__qualname__
         # DDP refuses a hook *named* bf16_compress_hook unless NCCL is available, although
@@ -44,7 +53,12 @@ class CountingHook:
 
     def __call__(self, state, bucket):
         self.calls += 1
-        return self.hook(state, bucket)
+        future = self.hook(state, bucket)
+        if not self.one_bucket_at_a_time:
+            return future
+        done = torch.futures.Future()
+        done.set_result(future.wait())
+        return done
 
 
 def hook_state(name: str, powersgd_rank: int, powersgd_start_iter: int) -> object | None:
@@ -56,6 +70,11 @@ def hook_state(name: str, powersgd_rank: int, powersgd_start_iter: int) -> objec
         matrix_approximation_rank=powersgd_rank,
         start_powerSGD_iter=powersgd_start_iter,
     )
+
+
+def needs_one_bucket_at_a_time(name: str, backend: str) -> bool:
+    """PowerSGD on gloo (see CountingHook)."""
+    return name == "powersgd" and backend == "gloo"
 
 
 def registered_hook(model: DistributedDataParallel) -> CountingHook | None:
@@ -87,4 +106,8 @@ class CommHookDDPStrategy(DDPStrategy):
             return
         assert isinstance(self.model, DistributedDataParallel)
         state = hook_state(self.comm_hook, self.powersgd_rank, self.powersgd_start_iter)
-        self.model.register_comm_hook(state, CountingHook(self.comm_hook))
+        hook = CountingHook(
+            self.comm_hook,
+            one_bucket_at_a_time=needs_one_bucket_at_a_time(self.comm_hook, dist.get_backend()),
+        )
+        self.model.register_comm_hook(state, hook)
