@@ -11,6 +11,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from omegaconf import DictConfig, OmegaConf
 
+from ddp_template.callbacks.shared_disk import SharedDiskCheck
 from ddp_template.comm_hooks import CommHookDDPStrategy
 from ddp_template.errors import ConfigError
 
@@ -73,6 +74,7 @@ def build_trainer(cfg: DictConfig) -> L.Trainer:
         # A live bar only on a terminal; log files get one line per epoch instead.
         trainer_args["enable_progress_bar"] = sys.stdout.isatty()
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
+    callbacks.append(SharedDiskCheck())
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     return L.Trainer(
         accelerator=cfg.accelerator,

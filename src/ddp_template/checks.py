@@ -22,6 +22,7 @@ from ddp_template.comm_hooks import COMM_HOOKS
 from ddp_template.debug import DISTRIBUTED_DEBUG_LEVELS
 from ddp_template.errors import ConfigError
 from ddp_template.launch import processes_started_externally
+from ddp_template.world import check_restarts, take_launched_world
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 PRECISIONS = ("32-true", "32", "16-mixed", "bf16-mixed", "64-true", "64", "16-true", "bf16-true")
@@ -43,9 +44,11 @@ TRAINER_ARGS_ELSEWHERE = {
 def check_config(cfg: DictConfig) -> None:
     with open_dict(cfg):
         cfg.accelerator = _resolve_accelerator(cfg.accelerator)
+        cfg.devices, cfg.num_nodes = take_launched_world(cfg.devices, cfg.num_nodes)
         cfg.devices = _resolve_devices(cfg.devices, cfg.accelerator)
     _check_whole_number("num_nodes", cfg.num_nodes, minimum=1)
     _check_whole_number("max_restarts", cfg.max_restarts, minimum=0)
+    check_restarts(cfg.max_restarts, cfg.strategy.name, cfg.devices)
     _check_precision(cfg.precision)
     _check_benchmark(cfg)
     _check_strategy(cfg)

@@ -21,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ddp_template.errors import TrainingStopped, WorkerFailed
+from ddp_template.world import started_by
 
 Worker = Callable[[dict[str, Any]], Any]
 
@@ -28,11 +29,7 @@ Worker = Callable[[dict[str, Any]], Any]
 def processes_started_externally() -> bool:
     """torchrun (or another elastic agent), or srun with several tasks, already made one
     process per device: this process is one rank and trains in place."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        return True
-    from lightning.fabric.plugins.environments import SLURMEnvironment
-
-    return SLURMEnvironment.detect() and int(os.environ.get("SLURM_NTASKS", "1")) > 1
+    return started_by() is not None
 
 
 class JobLogsSpecs(DefaultLogsSpecs):

@@ -66,6 +66,12 @@ def add(*values: int) -> int:
     return sum(values)
 
 
+def explicit_or(value: object, default: int) -> object:
+    """`${explicit_or:${devices},1}`: a count the user set, else `default` where `auto` cannot
+    be resolved yet (a job submitted to SLURM is sized before its tasks exist)."""
+    return default if value == "auto" else value
+
+
 def workers_per_rank(processes_per_node: object) -> int:
     """DataLoader workers for one rank: the cores it may use, less the one it trains on."""
     processes = processes_per_node if isinstance(processes_per_node, int) else 1
@@ -89,5 +95,6 @@ def register() -> None:
     OmegaConf.register_new_resolver("if_rank_zero", if_rank_zero, replace=True)
     OmegaConf.register_new_resolver("rank_zero_file", rank_zero_file, replace=True)
     OmegaConf.register_new_resolver("add", add, replace=True)
+    OmegaConf.register_new_resolver("explicit_or", explicit_or, replace=True)
     OmegaConf.register_new_resolver("workers_per_rank", workers_per_rank, replace=True)
     OmegaConf.register_new_resolver("on_cuda", on_cuda, replace=True)

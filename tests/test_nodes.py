@@ -1,0 +1,253 @@
+"""Processes started by torchrun or srun, and nodes: the world size is what was started or
+the job refuses to start; nodes without a shared disk stop before training; max_restarts
+is refused where nothing restarts. The launcher tests run real processes; the checks of the
+launcher's environment run in-process with the variables torchrun and srun set."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import FAST, ROOT, TESTS, compose_train, results
+
+from ddp_template.checks import check_config
+from ddp_template.errors import ConfigError
+
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+TRAIN = str(ROOT / "train.py")
+
+
+def _run(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
+    path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
+    full_env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.Popen(
+        args,
+        cwd=cwd,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- torchrun ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_torchrun_without_devices_trains_one_job_of_two_ranks(tmp_path: Path) -> None:
+    proc = _run([TORCHRUN, "--standalone", "--nproc_per_node=2", TRAIN, *FAST], cwd=tmp_path)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    written = list(tmp_path.glob("outputs/**/results.json"))
+    assert len(written) == 1 and len(list(tmp_path.glob("outputs/*/*"))) == 1
+    record = results(written[0].parent)
+    assert record["world_size"] == 2 and record["devices_per_node"] == 2
+    assert record["config"]["devices"] == 2 and record["config"]["num_nodes"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (
+            "devices=3",
+            "devices=3 is not valid: torchrun started 2 processes on this node "
+            "(--nproc_per_node=2) and each process is one rank, so devices must be 2",
+        ),
+        ("max_restarts=1", "max_restarts=1 is not valid: 0 under torchrun"),
+    ],
+)
+def test_torchrun_refuses_on_every_rank_before_training(
+    tmp_path: Path, override: str, message: str
+) -> None:
+    proc = _run(
+        [TORCHRUN, "--standalone", "--nproc_per_node=2", TRAIN, "strategy=ddp", override, *FAST],
+        cwd=tmp_path,
+    )
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    # Each rank prints the one-paragraph message and exits 2 (torchrun reports the exit codes).
+    assert err.count(f"error: {message}") == 2, err[-3000:]
+    assert "Fix:" in err and "exitcode  : 2" in err
+    assert "Traceback" not in out
+    assert not list(tmp_path.glob("outputs/**/*.ckpt"))
+    assert not list(tmp_path.glob("outputs/**/results.json"))
+
+
+# --- srun ----------------------------------------------------------------------------
+
+
+def _srun_task_env(rank: int, port: int) -> dict[str, str]:
+    """What srun gives each task of `srun --nodes=1 --ntasks-per-node=2`."""
+    return {
+        "SLURM_JOB_ID": "5151",
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_NAME": "train",
+        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_NNODES": "1",
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank),
+        "SLURM_NODEID": "0",
+        "SLURM_NODELIST": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
+@pytest.mark.slow
+def test_srun_tasks_take_devices_from_the_environment(tmp_path: Path) -> None:
+    port = _free_port()
+    tasks = [
+        _run([sys.executable, TRAIN, "strategy=ddp", *FAST], tmp_path, _srun_task_env(r, port))
+        for r in (0, 1)
+    ]
+    outputs = [t.communicate(timeout=300) for t in tasks]
+    assert [t.returncode for t in tasks] == [0, 0], [o[1][-2000:] for o in outputs]
+    record = results(tmp_path / "outputs" / "slurm" / "5151.0")
+    assert record["world_size"] == 2 and record["devices_per_node"] == 2
+    assert record["config"]["devices"] == 2
+
+
+# --- the checks of the launcher's environment (in-process) ----------------------------
+
+TORCHRUN_TWO_NODES = {
+    "TORCHELASTIC_RUN_ID": "job",
+    "LOCAL_WORLD_SIZE": "2",
+    "GROUP_WORLD_SIZE": "2",
+    "WORLD_SIZE": "4",
+}
+SRUN_TWO_NODES = {
+    "SLURM_JOB_ID": "7",
+    "SLURM_JOB_NAME": "train",
+    "SLURM_NTASKS": "4",
+    "SLURM_NTASKS_PER_NODE": "2",
+    "SLURM_NNODES": "2",
+}
+
+
+def _launched_by(monkeypatch, env: dict[str, str]) -> None:
+    for name in [*TORCHRUN_TWO_NODES, *SRUN_TWO_NODES]:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize("env", [TORCHRUN_TWO_NODES, SRUN_TWO_NODES], ids=["torchrun", "srun"])
+def test_devices_and_nodes_come_from_the_launcher(monkeypatch, env: dict[str, str]) -> None:
+    _launched_by(monkeypatch, env)
+    cfg = compose_train("strategy=ddp")
+    check_config(cfg)
+    assert (cfg.devices, cfg.num_nodes) == (2, 2)
+    explicit = compose_train("strategy=ddp", "devices=2", "num_nodes=2")
+    check_config(explicit)
+    assert (explicit.devices, explicit.num_nodes) == (2, 2)
+
+
+@pytest.mark.parametrize("env", [TORCHRUN_TWO_NODES, SRUN_TWO_NODES], ids=["torchrun", "srun"])
+@pytest.mark.parametrize("override,key", [("devices=1", "devices"), ("num_nodes=1", "num_nodes")])
+def test_a_number_that_differs_from_the_launcher_is_refused(
+    monkeypatch, env: dict[str, str], override: str, key: str
+) -> None:
+    _launched_by(monkeypatch, env)
+    with pytest.raises(ConfigError) as err:
+        check_config(compose_train("strategy=ddp", override))
+    assert err.value.key == key
+    assert f"{override} is not valid" in str(err.value) and "must be 2" in str(err.value)
+
+
+def test_srun_without_tasks_per_node_is_refused(monkeypatch) -> None:
+    _launched_by(
+        monkeypatch, {k: v for k, v in SRUN_TWO_NODES.items() if k != "SLURM_NTASKS_PER_NODE"}
+    )
+    with pytest.raises(ConfigError, match="--ntasks-per-node"):
+        check_config(compose_train("strategy=ddp"))
+
+
+def test_without_a_launcher_auto_is_one_node_and_the_visible_devices(monkeypatch) -> None:
+    _launched_by(monkeypatch, {})
+    cfg = compose_train("accelerator=cpu")
+    check_config(cfg)
+    assert (cfg.devices, cfg.num_nodes) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    "overrides,env,names",
+    [
+        (["devices=1"], {}, "one process"),
+        (["strategy=ddp_spawn", "devices=2"], {}, "strategy=ddp"),
+        (["strategy=ddp"], TORCHRUN_TWO_NODES, "--max-restarts=1"),
+        (["strategy=ddp"], SRUN_TWO_NODES, "requeue"),
+    ],
+    ids=["one process", "ddp_spawn", "torchrun", "srun"],
+)
+def test_max_restarts_where_nothing_restarts_is_refused(
+    monkeypatch, overrides: list[str], env: dict[str, str], names: str
+) -> None:
+    _launched_by(monkeypatch, env)
+    with pytest.raises(ConfigError) as err:
+        check_config(compose_train(*overrides, "max_restarts=1"))
+    assert err.value.key == "max_restarts" and names in str(err.value)
+    check_config(compose_train(*overrides, "max_restarts=0"))
+
+
+# --- nodes without a shared file system -------------------------------------------------
+
+
+def _private_mounts_work() -> str | None:
+    """Why two "nodes" with private disks cannot be made here, or None."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return "needs root and unshare(1) for a private mount namespace per node"
+    probe = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "mount", "-t", "tmpfs", "none", "/mnt"],
+        capture_output=True,
+        text=True,
+    )
+    if probe.returncode != 0:
+        return f"private mount namespaces are not allowed here: {probe.stderr.strip()}"
+    return None
+
+
+@pytest.mark.slow
+def test_nodes_with_private_disks_stop_before_training(tmp_path: Path) -> None:
+    """Two torchrun agents ("nodes"), each with its own tmpfs over the same outputs/ path
+    (node-local scratch), joined by a c10d rendezvous on 127.0.0.1."""
+    reason = _private_mounts_work()
+    if reason:
+        pytest.skip(reason)
+    (tmp_path / "outputs").mkdir()
+    port = _free_port()
+    agents = []
+    for node in (0, 1):
+        torchrun = [
+            TORCHRUN,
+            "--nnodes=2",
+            f"--node_rank={node}",
+            "--nproc_per_node=1",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{port}",
+            "--rdzv_id=private-disks",
+            TRAIN,
+            "strategy=ddp",
+            *FAST,
+        ]
+        script = 'mount -t tmpfs none outputs && exec "$@"'
+        command = ["unshare", "--mount", "--propagation", "private", "bash", "-c", script, "-"]
+        agents.append(_run([*command, *torchrun], cwd=tmp_path))
+    outputs = [a.communicate(timeout=300) for a in agents]
+    for agent, (out, err) in zip(agents, outputs, strict=True):
+        assert agent.returncode != 0, err[-3000:]
+        assert "error: The nodes of this job do not share a file system" in err, err[-3000:]
+        assert "rank(s) 1 on node(s) 1 cannot read it" in err and "Fix:" in err
+        assert "epoch 1/" not in out  # stopped before the first epoch ended
+    assert not list((tmp_path / "outputs").iterdir())  # the nodes wrote to their own disks
