@@ -67,6 +67,7 @@ def test_torchrun_without_devices_trains_one_job_of_two_ranks(tmp_path: Path) ->
         ),
         ("max_restarts=1", "max_restarts=1 is not valid: 0 under torchrun"),
     ],
+    ids=["devices=3", "max_restarts=1"],
 )
 def test_torchrun_refuses_on_every_rank_before_training(
     tmp_path: Path, override: str, message: str
