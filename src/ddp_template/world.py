@@ -76,8 +76,10 @@ def check_restarts(max_restarts: int, strategy: str, devices: int) -> None:
     if launcher == "torchrun":
         allowed = "0 under torchrun: torchrun started the processes and only torchrun restarts them"
         fix = (
-            f"drop max_restarts and give torchrun --max-restarts={max_restarts} "
-            "(the same on every node); each restart resumes from the job's last.ckpt"
+            f"drop max_restarts and give torchrun --max-restarts={max_restarts} (the same on "
+            "every node, with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment so "
+            "that each attempt gets a fresh rendezvous store); each restart resumes from the "
+            "job's last.ckpt"
         )
     elif launcher == "srun":
         allowed = "0 under srun: SLURM started the tasks, and a failed task ends the job step"
