@@ -79,7 +79,9 @@ def test_grid_over_two_keys(tmp_path: Path) -> None:
 
 
 def _start(args: list[str], cwd: Path, **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "PYTHONUNBUFFERED": "1", **kwargs.pop("env", {})}
+    # Kept after the tests folder: a PYTHONPATH set by the caller (a copy of the project).
+    path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **kwargs.pop("env", {})}
     return subprocess.Popen(
         args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
     )

@@ -12,6 +12,8 @@ import time
 
 from omegaconf import OmegaConf
 
+from ddp_template.world import started_by
+
 STAMP_FORMAT = "%Y-%m-%d/%H-%M-%S"
 
 
@@ -38,7 +40,9 @@ def job_stamp() -> str:
         if several_nodes and run_id != "none":
             return f"torchrun/{run_id}"
         return _process_stamp(os.getppid())
-    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ:
+    # The same test as the launch: tasks that each start their own workers (srun with an
+    # interactive job name) are separate jobs, each with its own folder.
+    if started_by() == "srun" and "SLURM_JOB_ID" in os.environ:
         step = os.environ.get("SLURM_STEP_ID", "0")
         return f"slurm/{os.environ['SLURM_JOB_ID']}.{step}"
     return _process_stamp(os.getpid())
