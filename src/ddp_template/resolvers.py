@@ -19,7 +19,8 @@ STAMP_FORMAT = "%Y-%m-%d/%H-%M-%S"
 
 def launch_rank() -> int:
     """Global rank given by an external launcher (torchrun: RANK, srun: SLURM_PROCID); 0 else."""
-    for name in ("RANK", "SLURM_PROCID"):
+    # srun tasks that start their own workers (an interactive job name) are each rank 0.
+    for name in ("RANK", "SLURM_PROCID") if started_by() == "srun" else ("RANK",):
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name])
     return 0
