@@ -44,13 +44,14 @@ def started_by() -> str | None:
     return None
 
 
-def launched_world() -> LaunchedWorld | None:
-    """The processes per node and nodes the external launcher started (None without one)."""
+def launched_world(devices: object = AUTO) -> LaunchedWorld | None:
+    """The processes per node and nodes the external launcher started (None without one);
+    `devices` is the value named when the launcher's numbers cannot be used."""
     launcher = started_by()
     if launcher == "torchrun":
-        return _torchrun_world()
+        return _torchrun_world(devices)
     if launcher == "srun":
-        return _srun_world()
+        return _srun_world(devices)
     return None
 
 
@@ -58,7 +59,7 @@ def take_launched_world(devices: object, num_nodes: object) -> tuple[object, obj
     """`devices` and `num_nodes` as the launcher started them: `auto` takes the launcher's
     number, a number that disagrees is refused. Without a launcher, `num_nodes=auto` is 1
     and `devices` is left to the accelerator's count."""
-    world = launched_world()
+    world = launched_world(devices)
     if world is None:
         return devices, 1 if num_nodes == AUTO else num_nodes
     return (
@@ -104,14 +105,14 @@ def check_restarts(max_restarts: int, strategy: str, devices: int) -> None:
     raise ConfigError("max_restarts", max_restarts, allowed, fix)
 
 
-def _torchrun_world() -> LaunchedWorld:
+def _torchrun_world(devices: object) -> LaunchedWorld:
     per_node = _env_int("LOCAL_WORLD_SIZE", 1)
     nodes = _env_int("GROUP_WORLD_SIZE", 1)
     world_size = _env_int("WORLD_SIZE", per_node * nodes)
     if world_size != per_node * nodes:
         raise ConfigError(
             "devices",
-            per_node,
+            devices,
             f"the same number of processes on every node; torchrun started {world_size} "
             f"processes on {nodes} nodes ({per_node} on this one)",
             "give every node the same --nproc_per_node",
@@ -125,12 +126,12 @@ def _torchrun_world() -> LaunchedWorld:
     )
 
 
-def _srun_world() -> LaunchedWorld:
+def _srun_world(devices: object) -> LaunchedWorld:
     tasks = _env_int("SLURM_NTASKS", 1)
     if "SLURM_NTASKS_PER_NODE" not in os.environ:
         raise ConfigError(
             "devices",
-            AUTO,
+            devices,
             f"a known number of tasks per node; srun started {tasks} tasks without "
             "--ntasks-per-node (SLURM_NTASKS_PER_NODE is unset), and Lightning needs it",
             f"submit with --ntasks-per-node=<devices> instead of --ntasks={tasks}",
@@ -144,7 +145,7 @@ def _srun_world() -> LaunchedWorld:
     if per_node < 1 or per_node * nodes != tasks:
         raise ConfigError(
             "devices",
-            os.environ["SLURM_NTASKS_PER_NODE"],
+            devices,
             f"the same number of tasks on every node; srun started {tasks} tasks on {nodes} "
             f"nodes with SLURM_NTASKS_PER_NODE={os.environ['SLURM_NTASKS_PER_NODE']}",
             "submit with --nodes=<num_nodes> --ntasks-per-node=<devices>",
