@@ -32,8 +32,8 @@ class LaunchedWorld:
 
 
 def started_by() -> str | None:
-    """ "torchrun" (or another elastic agent), "srun" with several tasks, or None when this
-    process is the job's launching process and starts the workers itself."""
+    """Who started this process: torchrun (or another elastic agent), srun with several
+    tasks, or None when it is the job's launching process and starts the workers itself."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
         return "torchrun"
     # Lightning's own test, so that both agree on who ranks the processes.
