@@ -9,23 +9,16 @@ Each refusal is a `ConfigError` with the key, the bad value, what is allowed and
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import os
-import warnings
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
-from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from ddp_template.build import build_task, build_trainer
-from ddp_template.errors import ConfigError, refusal_as_config_error
+from ddp_template.build_check import check_by_building
+from ddp_template.errors import ConfigError
 from ddp_template.launch import processes_started_externally
-from ddp_template.schema import TRAINER_ARGS_ELSEWHERE, as_override, check_types_and_ranges
-from ddp_template.schema import parameter_default as _default
+from ddp_template.schema import TRAINER_ARGS_ELSEWHERE, check_types_and_ranges
 from ddp_template.trackers import check_trackers
 
 __all__ = ["TRAINER_ARGS_ELSEWHERE", "check_checkpoint_file", "check_config"]
@@ -144,88 +137,6 @@ def _check_prefetch(data: DictConfig) -> None:
             "only with data.num_workers > 0 (batches are prefetched by workers)",
             "set data.num_workers or leave data.prefetch_factor=null",
         )
-
-
-def check_by_building(cfg: DictConfig) -> None:
-    """Builds the DataModule, the LightningModule, the Trainer (strategy, callbacks) and the
-    optimizer and scheduler of `configure_optimizers` once, and drops them. Reads no data,
-    starts no process group, opens no tracker (their settings are checked by
-    `check_trackers`), allocates no weights (meta device) and leaves the environment and
-    torch's global flags as they were."""
-    with _no_traces():
-        with _refusals(cfg, "data", "task.module"), torch.device("meta"):
-            _, module = build_task(cfg)
-        with _refusals(cfg, "trainer", "strategy", "callbacks", *_TOP_LEVEL):
-            trainer = build_trainer(cfg, loggers=[])
-        with _refusals(cfg, "task.module.optimizer", "task.module.scheduler"):
-            # The number of optimizer steps needs the data; any number builds the same
-            # optimizer and scheduler, and an endless run's count is max_steps alone.
-            trainer.fit_loop.max_epochs = -1
-            trainer.fit_loop.epoch_loop.max_steps = max(int(cfg.trainer.max_steps), 1000)
-            module.trainer = trainer
-            module.configure_optimizers()
-
-
-_TOP_LEVEL = ("accelerator", "devices", "num_nodes", "precision", "sync_batchnorm")
-
-
-@contextlib.contextmanager
-def _refusals(cfg: DictConfig, *nodes: str) -> Iterator[None]:
-    try:
-        yield
-    except ConfigError:
-        raise
-    except Exception as err:
-        values, fixes = _leaves(cfg, nodes)
-        raise refusal_as_config_error(err, values, nodes[0], fixes) from None
-
-
-def _leaves(cfg: DictConfig, nodes: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, str]]:
-    """Every value under `nodes` by full key, and the default of each instantiated one."""
-    values: dict[str, Any] = {}
-    fixes: dict[str, str] = {}
-
-    def walk(node: Any, path: str, target: str | None) -> None:
-        if not isinstance(node, dict):
-            values[path] = node
-            default = _default(target, path.rsplit(".", 1)[-1]) if target else MISSING
-            if default is not MISSING:
-                fixes[path] = f"e.g. {path}={as_override(default)} (the default)"
-            return
-        target = node.get("_target_", target)
-        for key, child in node.items():
-            if not key.startswith("_"):
-                walk(child, f"{path}.{key}", target)
-
-    for name in nodes:
-        node = OmegaConf.select(cfg, name)
-        node = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
-        walk(node, name, "lightning.Trainer" if name in ("trainer", *_TOP_LEVEL) else None)
-    return values, fixes
-
-
-@contextlib.contextmanager
-def _no_traces() -> Iterator[None]:
-    """Lightning sets environment variables and torch's global flags while it builds, and
-    logs what it found (the workers print that)."""
-    environment = dict(os.environ)
-    flags = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-    )
-    cudnn = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
-    logging_disabled = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logging.disable(logging_disabled)
-        torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
-        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = cudnn
-        os.environ.clear()
-        os.environ.update(environment)
 
 
 def check_checkpoint_file(path: str) -> None:

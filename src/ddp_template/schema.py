@@ -6,7 +6,7 @@ DataModule), `lightning.Trainer`'s own signature for `trainer.*`, and the datacl
 for the switches this project reads itself. They are checked as OmegaConf structured
 configs, so a value of the wrong type is named with its full key. What a type cannot say
 (a lower bound, a set of names) is one row of `LIMITS`. Values that only make sense
-together are refused by the real objects, built once by `checks.check_by_building`.
+together are refused by the real objects, built once by `build_check.check_by_building`.
 """
 
 from __future__ import annotations
@@ -189,7 +189,14 @@ def _instantiated(node: Any, path: str) -> Iterator[tuple[str, type, dict[str, A
         return
     target = node.get("_target_")
     if isinstance(target, str) and path != "task.datamodule":
-        yield path, signature_schema(target), node
+        try:
+            schema = signature_schema(target)
+        except (ImportError, AttributeError, ValueError) as err:
+            fix = "check the spelling: a module path and a name in it"
+            raise ConfigError(
+                f"{path}._target_", target, f"an importable name ({err})", fix
+            ) from None
+        yield path, schema, node
     for key, child in node.items():
         yield from _instantiated(child, f"{path}.{key}" if path else key)
 
