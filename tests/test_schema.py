@@ -115,3 +115,5 @@ def test_checking_leaves_no_traces(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert not torch.are_deterministic_algorithms_enabled()
     assert not torch.backends.cudnn.benchmark
     assert not torch.distributed.is_initialized()
+    # Workers may be forked from this process: a CUDA context made here would be unusable there.
+    assert not torch.cuda.is_initialized()
