@@ -35,10 +35,11 @@ def check_by_building(cfg: DictConfig) -> None:
         with _refusals(cfg, "trainer", "strategy", "callbacks", *_TOP_LEVEL):
             trainer = build_trainer(cfg, loggers=[])
         with _refusals(cfg, "task.module.optimizer", "task.module.scheduler"):
-            # The number of optimizer steps needs the data; any number builds the same
-            # optimizer and scheduler, and an endless run's count is max_steps alone.
+            # Counting the optimizer steps of an epoch needs the data. The run's max_steps
+            # when set, else any count, builds the same optimizer and scheduler.
+            max_steps = int(cfg.trainer.max_steps)
             trainer.fit_loop.max_epochs = -1
-            trainer.fit_loop.epoch_loop.max_steps = max(int(cfg.trainer.max_steps), 1000)
+            trainer.fit_loop.epoch_loop.max_steps = max_steps if max_steps > 0 else 1000
             module.trainer = trainer
             module.configure_optimizers()
 
