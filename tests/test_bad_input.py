@@ -23,6 +23,16 @@ CASES = {
         "data.root='/no/such/folder'",
     ),
     "sync_batchnorm on cpu": (["sync_batchnorm=true", "accelerator=cpu"], "sync_batchnorm=True"),
+    "seed=foo": (["seed=foo"], "seed='foo'"),
+    "max_epochs=-5": (["trainer.max_epochs=-5"], "trainer.max_epochs=-5"),
+    "negative lr": (
+        ["devices=2", "task.module.optimizer.lr=-0.1"],
+        "task.module.optimizer.lr=-0.1",
+    ),
+    "unreachable mlflow": (
+        ["devices=2", "logger=mlflow", "logger.mlflow.tracking_uri=http://127.0.0.1:9"],
+        "logger.mlflow.tracking_uri='http://127.0.0.1:9'",
+    ),
 }
 
 

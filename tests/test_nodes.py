@@ -127,6 +127,11 @@ TORCHRUN_TWO_NODES = {
     "LOCAL_WORLD_SIZE": "2",
     "GROUP_WORLD_SIZE": "2",
     "WORLD_SIZE": "4",
+    "RANK": "0",
+    "LOCAL_RANK": "0",
+    "GROUP_RANK": "0",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
 }
 SRUN_TWO_NODES = {
     "SLURM_JOB_ID": "7",
@@ -134,6 +139,10 @@ SRUN_TWO_NODES = {
     "SLURM_NTASKS": "4",
     "SLURM_NTASKS_PER_NODE": "2",
     "SLURM_NNODES": "2",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+    "SLURM_NODELIST": "127.0.0.1",
 }
 
 

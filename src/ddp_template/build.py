@@ -1,4 +1,4 @@
-"""Config -> Lightning objects: strategy, callbacks, logger, Trainer."""
+"""Config -> Lightning objects: task, strategy, callbacks, loggers, Trainer."""
 
 from __future__ import annotations
 
@@ -8,12 +8,15 @@ from datetime import timedelta
 import lightning as L
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from omegaconf import DictConfig, OmegaConf
 
 from ddp_template.callbacks.shared_disk import SharedDiskCheck
 from ddp_template.comm_hooks import CommHookDDPStrategy
 from ddp_template.errors import ConfigError
+from ddp_template.trackers import log_config
 
 
 def build_task(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
@@ -68,14 +71,33 @@ def world_size(cfg: DictConfig) -> int:
     return int(cfg.devices) * int(cfg.num_nodes)
 
 
-def build_trainer(cfg: DictConfig) -> L.Trainer:
+def build_loggers(cfg: DictConfig) -> list[Logger]:
+    """`logger=csv`, `logger=[csv,tensorboard]`: one tracker per option under `logger.<name>`.
+    Each receives the resolved config as its hyper-parameters (written by rank 0 only)."""
+    loggers = [instantiate(node) for node in (cfg.get("logger") or {}).values() if node]
+    log_config(loggers, OmegaConf.to_container(cfg, resolve=True))
+    return loggers
+
+
+def build_callbacks(cfg: DictConfig) -> list[Callback]:
+    callbacks = []
+    for node in (cfg.get("callbacks") or {}).values():
+        # The learning-rate monitor refuses to start without a tracker to write to.
+        if node and not (node._target_ == _LR_MONITOR and not cfg.get("logger")):
+            callbacks.append(instantiate(node))
+    callbacks.append(SharedDiskCheck())
+    return callbacks
+
+
+_LR_MONITOR = "lightning.pytorch.callbacks.LearningRateMonitor"
+
+
+def build_trainer(cfg: DictConfig, loggers: list[Logger] | None = None) -> L.Trainer:
+    """The Trainer of a worker; `loggers=[]` builds it without opening any tracker."""
     trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
     if trainer_args.get("enable_progress_bar") is None:
         # A live bar only on a terminal; log files get one line per epoch instead.
         trainer_args["enable_progress_bar"] = sys.stdout.isatty()
-    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
-    callbacks.append(SharedDiskCheck())
-    logger = instantiate(cfg.logger) if cfg.get("logger") else False
     return L.Trainer(
         accelerator=cfg.accelerator,
         devices=cfg.devices,
@@ -83,8 +105,8 @@ def build_trainer(cfg: DictConfig) -> L.Trainer:
         precision=cfg.precision,
         strategy=build_strategy(cfg),
         sync_batchnorm=cfg.sync_batchnorm,
-        callbacks=callbacks,
-        logger=logger,
+        callbacks=build_callbacks(cfg),
+        logger=build_loggers(cfg) if loggers is None else loggers,
         default_root_dir=cfg.paths.output_dir,
         **trainer_args,
     )

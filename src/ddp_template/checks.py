@@ -1,44 +1,29 @@
 """Every value a run depends on, checked before any worker process starts.
 
 `check_config` resolves the values that depend on the machine (accelerator, devices) in
-place, so that every worker reads the same concrete config, and raises `ConfigError` with
-the key, the bad value, what is allowed and how to fix it.
+place, so that every worker reads the same concrete config; checks types and ranges against
+the schema (`schema.py`); checks what needs context (GPUs, launchers, files, servers); and
+last builds the real objects once, so that whatever a library refuses is refused here.
+Each refusal is a `ConfigError` with the key, the bad value, what is allowed and the fix.
 """
 
 from __future__ import annotations
 
-import inspect
-import numbers
 import zipfile
 from pathlib import Path
 
-import lightning as L
 import torch
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from ddp_template.build import build_task
-from ddp_template.callbacks.watchdog import ON_HANG
-from ddp_template.comm_hooks import COMM_HOOKS
-from ddp_template.debug import DISTRIBUTED_DEBUG_LEVELS
+from ddp_template.build_check import check_by_building
 from ddp_template.errors import ConfigError
 from ddp_template.launch import processes_started_externally
+from ddp_template.schema import TRAINER_ARGS_ELSEWHERE, check_types_and_ranges
+from ddp_template.trackers import check_trackers
 from ddp_template.world import check_restarts, take_launched_world
 
+__all__ = ["TRAINER_ARGS_ELSEWHERE", "check_checkpoint_file", "check_config"]
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
-PRECISIONS = ("32-true", "32", "16-mixed", "bf16-mixed", "64-true", "64", "16-true", "bf16-true")
-STRATEGIES = ("auto", "ddp", "ddp_spawn")
-# Trainer arguments that are top-level switches or built from their own config groups.
-TRAINER_ARGS_ELSEWHERE = {
-    "accelerator",
-    "strategy",
-    "devices",
-    "num_nodes",
-    "precision",
-    "logger",
-    "callbacks",
-    "sync_batchnorm",
-    "default_root_dir",
-}
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -46,19 +31,17 @@ def check_config(cfg: DictConfig) -> None:
         cfg.accelerator = _resolve_accelerator(cfg.accelerator)
         cfg.devices, cfg.num_nodes = take_launched_world(cfg.devices, cfg.num_nodes)
         cfg.devices = _resolve_devices(cfg.devices, cfg.accelerator)
-    _check_whole_number("num_nodes", cfg.num_nodes, minimum=1)
-    _check_whole_number("max_restarts", cfg.max_restarts, minimum=0)
+    check_types_and_ranges(cfg)
     check_restarts(cfg.max_restarts, cfg.strategy.name, cfg.devices)
-    _check_precision(cfg.precision)
-    _check_benchmark(cfg)
-    _check_strategy(cfg)
-    _check_trainer_args(cfg)
-    _check_loader(cfg.data)
+    _check_launch(cfg)
+    _check_devices_support(cfg)
+    _check_distributed_debug(cfg)
     _check_task_data(cfg)
-    _check_sync_batchnorm(cfg)
-    _check_debug(cfg)
+    _check_prefetch(cfg.data)
+    check_trackers(cfg)
     if cfg.ckpt_path is not None:
         check_checkpoint_file(cfg.ckpt_path)
+    check_by_building(cfg)
 
 
 def _resolve_accelerator(value: object) -> str:
@@ -66,16 +49,15 @@ def _resolve_accelerator(value: object) -> str:
         raise ConfigError(
             "accelerator", value, f"one of {', '.join(ACCELERATORS)}", "e.g. accelerator=cpu"
         )
+    # Lightning makes these counts NVML-based: no CUDA context in this process, which
+    # could not be used by workers forked from it.
     if value == "auto":
         if torch.cuda.is_available():
             return "cuda"
         return "mps" if torch.backends.mps.is_available() else "cpu"
     if value in ("gpu", "cuda") and not torch.cuda.is_available():
         raise ConfigError(
-            "accelerator",
-            value,
-            "a GPU, and torch sees none on this machine",
-            "use accelerator=cpu",
+            "accelerator", value, "a GPU, and torch sees none on this machine", "accelerator=cpu"
         )
     return "cuda" if value == "gpu" else str(value)
 
@@ -83,7 +65,8 @@ def _resolve_accelerator(value: object) -> str:
 def _resolve_devices(value: object, accelerator: str) -> int:
     if value == "auto":
         return torch.cuda.device_count() if accelerator == "cuda" else 1
-    _check_whole_number("devices", value, minimum=1, allowed="a whole number >= 1 or 'auto'")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError("devices", value, "a whole number >= 1 or 'auto'", "e.g. devices=1")
     if accelerator == "cuda" and value > torch.cuda.device_count():
         raise ConfigError(
             "devices",
@@ -91,33 +74,10 @@ def _resolve_devices(value: object, accelerator: str) -> int:
             f"at most the {torch.cuda.device_count()} GPUs visible here",
             "lower devices or use more nodes",
         )
-    return int(value)
+    return value
 
 
-def _check_whole_number(key: str, value: object, minimum: int, allowed: str | None = None) -> None:
-    is_int = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if not is_int or value < minimum:
-        raise ConfigError(
-            key, value, allowed or f"a whole number >= {minimum}", f"e.g. {key}={max(minimum, 1)}"
-        )
-
-
-def _check_precision(value: object) -> None:
-    if str(value) not in PRECISIONS:
-        raise ConfigError(
-            "precision",
-            value,
-            "one of Lightning's names: 32-true, 16-mixed, bf16-mixed, 64-true, 16-true, bf16-true",
-            "e.g. precision=bf16-mixed",
-        )
-
-
-def _check_strategy(cfg: DictConfig) -> None:
-    strategy = cfg.strategy
-    if strategy.name not in STRATEGIES:
-        raise ConfigError(
-            "strategy", strategy.name, f"one of {', '.join(STRATEGIES)}", "e.g. strategy=ddp"
-        )
+def _check_launch(cfg: DictConfig) -> None:
     if cfg.num_nodes > 1 and not processes_started_externally():
         raise ConfigError(
             "num_nodes",
@@ -125,99 +85,40 @@ def _check_strategy(cfg: DictConfig) -> None:
             "1 for the plain command: several nodes need a launcher that starts the processes",
             "start every node with torchrun (or srun), as shown in the README",
         )
-    if strategy.name == "auto":
+
+
+def _check_devices_support(cfg: DictConfig) -> None:
+    """What only CUDA devices run (each would fail in every worker, or only on GPUs)."""
+    if cfg.accelerator == "cuda":
+        if cfg.strategy.get("comm_hook") == "bf16" and not torch.cuda.is_bf16_supported():
+            raise ConfigError(
+                "strategy.comm_hook",
+                "bf16",
+                "bf16 compression needs a GPU with bfloat16 support (Ampere or newer)",
+                "use strategy.comm_hook=fp16",
+            )
         return
-    bucket = strategy.bucket_cap_mb
-    if bucket is not None and (not isinstance(bucket, numbers.Real) or bucket <= 0):
+    refused = [
+        ("strategy.process_group_backend", "nccl", "use gloo (or null) on CPUs"),
+        ("sync_batchnorm", True, "drop sync_batchnorm=true on CPU runs"),
+    ]
+    if (cfg.get("callbacks") or {}).get("host_sync"):
+        refused.append(("debug", "host_sync", "run debug=host_sync on a GPU machine"))
+    for key, value, fix in refused:
+        if key == "debug" or OmegaConf.select(cfg, key) == value:
+            raise ConfigError(key, value, f"only on CUDA, and accelerator={cfg.accelerator}", fix)
+
+
+def _check_distributed_debug(cfg: DictConfig) -> None:
+    gloo = cfg.accelerator != "cuda" or cfg.strategy.get("process_group_backend") == "gloo"
+    if gloo and (cfg.get("debug") or {}).get("distributed_debug") == "DETAIL":
         raise ConfigError(
-            "strategy.bucket_cap_mb",
-            bucket,
-            "a size in MiB > 0, or null for PyTorch's default",
-            "e.g. 25",
+            "debug.distributed_debug",
+            "DETAIL",
+            "INFO or OFF with gloo (CPU): DETAIL crashed DDP's construction on gloo in torch "
+            "2.14.1 (pytorch #148976)",
+            "debug.distributed_debug=INFO here; DETAIL on GPUs with nccl",
         )
-    timeout = strategy.timeout
-    if not isinstance(timeout, numbers.Real) or timeout <= 0:
-        raise ConfigError("strategy.timeout", timeout, "seconds > 0", "e.g. strategy.timeout=1800")
-    backend = strategy.process_group_backend
-    if backend not in (None, "gloo", "nccl", "mpi"):
-        raise ConfigError(
-            "strategy.process_group_backend", backend, "null, gloo, nccl or mpi", "leave it null"
-        )
-    if backend == "nccl" and cfg.accelerator != "cuda":
-        raise ConfigError(
-            "strategy.process_group_backend", backend, "nccl needs CUDA devices", "use gloo on CPUs"
-        )
-    for key in ("gradient_as_bucket_view", "static_graph", "find_unused_parameters"):
-        if not isinstance(strategy[key], bool):
-            raise ConfigError(
-                f"strategy.{key}", strategy[key], "true or false", f"strategy.{key}=false"
-            )
-    _check_comm_hook(strategy, cfg.accelerator)
-
-
-def _check_comm_hook(strategy: DictConfig, accelerator: str) -> None:
-    hook = strategy.comm_hook
-    if hook not in COMM_HOOKS:
-        raise ConfigError(
-            "strategy.comm_hook",
-            hook,
-            f"one of {', '.join(COMM_HOOKS)} (PyTorch's DDP communication hooks)",
-            "e.g. strategy.comm_hook=fp16",
-        )
-    if hook == "powersgd":
-        _check_whole_number("strategy.powersgd_rank", strategy.powersgd_rank, minimum=1)
-        # PyTorch requires >= 2 with error feedback (on by default).
-        _check_whole_number("strategy.powersgd_start_iter", strategy.powersgd_start_iter, minimum=2)
-    if hook == "bf16" and accelerator == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError(
-            "strategy.comm_hook",
-            hook,
-            "bf16 compression needs a GPU with bfloat16 support (Ampere or newer)",
-            "use strategy.comm_hook=fp16",
-        )
-
-
-def _check_benchmark(cfg: DictConfig) -> None:
-    """`experiment=benchmark`: checked before trainer.max_steps (their sum) is resolved."""
-    benchmark = cfg.get("benchmark")
-    if benchmark is None:
-        return
-    _check_whole_number("benchmark.warmup_steps", benchmark.warmup_steps, minimum=0)
-    _check_whole_number("benchmark.steps", benchmark.steps, minimum=1)
-
-
-def _check_trainer_args(cfg: DictConfig) -> None:
-    known = set(inspect.signature(L.Trainer.__init__).parameters) - {"self"}
-    for key in cfg.trainer:
-        if key in TRAINER_ARGS_ELSEWHERE:
-            raise ConfigError(
-                f"trainer.{key}", cfg.trainer[key], "set as a top-level switch", f"use `{key}=...`"
-            )
-        if key not in known:
-            raise ConfigError(
-                f"trainer.{key}",
-                cfg.trainer[key],
-                "a lightning.Trainer argument",
-                "check the spelling",
-            )
-
-
-def _check_loader(data: DictConfig) -> None:
-    _check_whole_number("data.batch_size", data.batch_size, minimum=1)
-    _check_whole_number("data.num_workers", data.num_workers, minimum=0)
-    prefetch = data.prefetch_factor
-    if prefetch is not None:
-        _check_whole_number("data.prefetch_factor", prefetch, minimum=1)
-        if data.num_workers == 0:
-            raise ConfigError(
-                "data.prefetch_factor",
-                prefetch,
-                "only with data.num_workers > 0 (batches are prefetched by workers)",
-                "set data.num_workers or leave data.prefetch_factor=null",
-            )
-    for key in ("pin_memory", "drop_last", "persistent_workers"):
-        if not isinstance(data[key], bool):
-            raise ConfigError(f"data.{key}", data[key], "true or false", f"data.{key}=false")
 
 
 def _check_task_data(cfg: DictConfig) -> None:
@@ -229,90 +130,15 @@ def _check_task_data(cfg: DictConfig) -> None:
             f"a data set of task={cfg.task.name}: {', '.join(cfg.task.datasets)}",
             f"pick one of those, or a task that reads {data_name}",
         )
-    # Building the DataModule reads no data and the module only allocates its weights:
-    # both check paths, names and options here, before any worker starts.
-    build_task(cfg)
 
 
-def _check_sync_batchnorm(cfg: DictConfig) -> None:
-    if cfg.sync_batchnorm and cfg.accelerator != "cuda":
+def _check_prefetch(data: DictConfig) -> None:
+    if data.get("prefetch_factor") is not None and data.num_workers == 0:
         raise ConfigError(
-            "sync_batchnorm",
-            True,
-            f"SyncBatchNorm needs CUDA devices (accelerator={cfg.accelerator}); torch raises "
-            "'SyncBatchNorm layers only work with GPU modules' otherwise",
-            "drop sync_batchnorm=true on CPU runs",
-        )
-
-
-def _check_debug(cfg: DictConfig) -> None:
-    """The switches of `debug=`: conf/debug/ adds these callbacks and `debug.*` settings."""
-    callbacks = cfg.get("callbacks") or {}
-    sync_check = callbacks.get("sync_check")
-    if sync_check:
-        _check_whole_number("callbacks.sync_check.every_n_steps", sync_check.every_n_steps, 1)
-    watchdog = callbacks.get("hang_watchdog")
-    if watchdog:
-        timeout = watchdog.timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout <= 0:
-            raise ConfigError(
-                "callbacks.hang_watchdog.timeout_s",
-                timeout,
-                "seconds > 0 without progress before every rank dumps its stacks",
-                "e.g. callbacks.hang_watchdog.timeout_s=300",
-            )
-        if watchdog.on_hang not in ON_HANG:
-            raise ConfigError(
-                "callbacks.hang_watchdog.on_hang",
-                watchdog.on_hang,
-                f"one of {', '.join(ON_HANG)}",
-                "callbacks.hang_watchdog.on_hang=exit",
-            )
-    profiler = callbacks.get("profiler")
-    if profiler:
-        for key in ("wait", "warmup", "repeat"):
-            _check_whole_number(f"callbacks.profiler.{key}", profiler[key], minimum=0)
-        active = profiler.active
-        if isinstance(active, bool) or not isinstance(active, numbers.Integral) or active < 1:
-            raise ConfigError(
-                "callbacks.profiler.active",
-                active,
-                "a whole number >= 1: the profiler records nothing without active steps",
-                "e.g. callbacks.profiler.active=3",
-            )
-    if callbacks.get("host_sync") and cfg.accelerator != "cuda":
-        raise ConfigError(
-            "debug",
-            "host_sync",
-            f"only on CUDA devices: it finds where the CPU waits for the GPU, and "
-            f"accelerator={cfg.accelerator} has no GPU",
-            "run debug=host_sync on a GPU machine (accelerator=cuda)",
-        )
-    _check_distributed_debug(cfg)
-
-
-def _check_distributed_debug(cfg: DictConfig) -> None:
-    settings = cfg.get("debug") or {}
-    entries = settings.get("flight_recorder", 0)
-    _check_whole_number("debug.flight_recorder", entries, minimum=0)
-    level = settings.get("distributed_debug")
-    if level is None:
-        return
-    if level not in DISTRIBUTED_DEBUG_LEVELS:
-        raise ConfigError(
-            "debug.distributed_debug",
-            level,
-            f"one of {', '.join(DISTRIBUTED_DEBUG_LEVELS)} (TORCH_DISTRIBUTED_DEBUG)",
-            "debug.distributed_debug=INFO",
-        )
-    gloo = cfg.strategy.get("process_group_backend") == "gloo" or cfg.accelerator != "cuda"
-    if level == "DETAIL" and gloo:
-        raise ConfigError(
-            "debug.distributed_debug",
-            level,
-            "INFO or OFF with gloo (CPU): DETAIL crashed DDP's construction on gloo in torch "
-            "2.14.1 (pytorch #148976)",
-            "debug.distributed_debug=INFO here; DETAIL on GPUs with nccl",
+            "data.prefetch_factor",
+            data.prefetch_factor,
+            "only with data.num_workers > 0 (batches are prefetched by workers)",
+            "set data.num_workers or leave data.prefetch_factor=null",
         )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -15,7 +17,44 @@ class ConfigError(UserFacingError):
     def __init__(self, key: str, value: Any, allowed: str, fix: str) -> None:
         self.key = key
         self.value = value
+        # One paragraph, however many lines a library's message had.
+        allowed = " ".join(str(allowed).split()).rstrip(".")
         super().__init__(f"{key}={value!r} is not valid: {allowed}. Fix: {fix}")
+
+
+def refusal_as_config_error(
+    error: BaseException, values: Mapping[str, Any], node: str, fix: Mapping[str, str]
+) -> ConfigError:
+    """A library's refusal (ValueError, MisconfigurationException, ...) of the values of one
+    config node (`values`: full key -> value) as a ConfigError about the key it concerns:
+    the first key the message names, else the first whose value it quotes, else the node.
+    `fix` gives the remedy per key (a default), else the message is the guide."""
+    cause = error
+    # Hydra wraps the library's exception; its message repeats the whole call.
+    while cause.__cause__ is not None and type(cause).__name__ == "InstantiationException":
+        cause = cause.__cause__
+    message = f"{type(cause).__name__}: {cause}"
+    key = _named_key(message, values) or node
+    value = values.get(key, "...")
+    remedy = fix.get(key) or f"change {key} to a value allowed there"
+    return ConfigError(key, value, message, remedy)
+
+
+def _named_key(message: str, values: Mapping[str, Any]) -> str | None:
+    for key in values:
+        name = key.rsplit(".", 1)[-1]
+        if re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", message):
+            return key
+    for key, value in values.items():
+        quoted = str(value)
+        plain = isinstance(value, (int, float, str)) and not isinstance(value, bool)
+        if (
+            plain
+            and len(quoted) > 1
+            and re.search(rf"(?<![\w.-]){re.escape(quoted)}(?![\w.])", message)
+        ):
+            return key
+    return None
 
 
 class WorkerFailed(UserFacingError):

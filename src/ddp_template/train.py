@@ -100,6 +100,7 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
         export_weights,
         write_json_atomic,
     )
+    from ddp_template.trackers import attach_results
 
     cfg = OmegaConf.create(config)
     # Before the process group starts: PyTorch reads these switches from the environment.
@@ -133,6 +134,7 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     results["restarts"] = _restart_count()
     results["resumed_from"] = ckpt_path
     write_json_atomic(job_dir / RESULTS_FILE, results)
+    attach_results(trainer.loggers, job_dir / RESULTS_FILE, results)
     return results
 
 
