@@ -26,6 +26,7 @@ resumes from it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -52,31 +53,48 @@ class Preempted(SystemExit):
 
 
 class PreemptionCheckpoint(L.Callback):
-    """Active in SLURM jobs only; elsewhere (a plain run, torchrun) it does nothing."""
+    """In a SLURM job: saves, requeues and exits at the preemption signal or SIGTERM. In a
+    worker of an elastic agent: ends the process at once at Ctrl-C or SIGTERM."""
 
     def __init__(self, signal: str = "USR2", requeue: bool = True) -> None:
         self.signal = _signal_named(signal)
         self.requeue = requeue
         self._received: int | None = None
         self._previous: dict[int, Any] = {}
+        self._preemptible = False
+        self._trainer: L.Trainer | None = None
 
     @staticmethod
     def active() -> bool:
         return "SLURM_JOB_ID" in os.environ and SLURMEnvironment.detect()
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        environment = trainer.strategy.cluster_environment
+        environment = getattr(trainer.strategy, "cluster_environment", None)
         if isinstance(environment, SLURMEnvironment):
             # One owner: Lightning's own requeue (SIGUSR1, hpc_ckpt) stays off.
             environment.auto_requeue = False
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # After Lightning registered its handlers (it does so once setup is done).
-        if not self.active():
-            return
         self._received = None
-        for signum in (self.signal, signal.SIGTERM):
-            self._previous[signum] = signal.signal(signum, self._note)
+        if self.active():
+            for signum in (self.signal, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._note)
+            self._preemptible = True
+        elif "TORCHELASTIC_RUN_ID" in os.environ and trainer.world_size > 1:
+            self._trainer = trainer
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._exit_now)
+
+    def _exit_now(self, signum: int, frame: FrameType | None) -> None:
+        """A worker of an elastic agent (this launcher's, or torchrun's) at Ctrl-C or
+        SIGTERM: the other ranks are being stopped too, so a graceful shutdown would wait in
+        collectives that never complete until the agent's SIGKILL, 30 s later. The loggers
+        write what they hold; the process ends at once."""
+        for logger in self._trainer.loggers if self._trainer else []:
+            with contextlib.suppress(Exception):
+                logger.finalize("interrupted")
+        os._exit(128 + signum)
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
         if self._received is None:
@@ -86,6 +104,8 @@ class PreemptionCheckpoint(L.Callback):
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
+        self._preemptible = False
+        self._trainer = None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._disarm()
@@ -94,7 +114,7 @@ class PreemptionCheckpoint(L.Callback):
         self._disarm()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if not self._previous or (batch_idx + 1) % trainer.accumulate_grad_batches:
+        if not self._preemptible or (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
         # 2: some rank got the preemption signal, 1: only SIGTERM, 0: nothing.
         mine = {None: 0, signal.SIGTERM: 1}.get(self._received, 2)
