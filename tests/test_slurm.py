@@ -103,6 +103,8 @@ PREEMPT_RUN = [
     "trainer.enable_model_summary=false",
     "logger=none",
     "+callbacks.step_probe._target_=slurm_probe.StepProbe",
+    # The watchdog's stack dump must leave the preemption signal to its owner.
+    "debug=watchdog",
 ]
 STEPS_PER_EPOCH = 20
 SIGNAL_AT_STEP = 30  # epoch 1, batch 10
