@@ -235,3 +235,10 @@ def test_a_sweep_over_devices_is_refused(slurm, tmp_path) -> None:
     proc = train(*args, "devices=1,2", cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "one value per sweep" in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "multirun").exists()
+
+
+def test_launcher_slurm_without_multirun_is_refused(tmp_path) -> None:
+    """Without -m Hydra ignores the launcher and the run would train here, unnoticed."""
+    proc = train("launcher=slurm", "strategy=ddp", "devices=2", cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "-m (--multirun)" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "outputs").exists()
