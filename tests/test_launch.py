@@ -151,7 +151,10 @@ def test_two_nodes_through_a_c10d_rendezvous(tmp_path: Path) -> None:
     assert not list((tmp_path / "node1").glob("outputs/**/*.ckpt"))
 
 
-def test_slurm_launcher_config_maps_devices_and_nodes() -> None:
+@pytest.mark.parametrize(("accelerator", "gpus"), [("gpu", 4), ("cpu", None)])
+def test_slurm_launcher_config_maps_devices_and_nodes(accelerator: str, gpus) -> None:
+    """One task per device on each node; GPUs asked only for a GPU run (a CPU partition
+    refuses any GPU request)."""
     from hydra import compose, initialize_config_dir
 
     from ddp_template import resolvers
@@ -165,14 +168,16 @@ def test_slurm_launcher_config_maps_devices_and_nodes() -> None:
                 "launcher=slurm",
                 "devices=4",
                 "num_nodes=2",
+                f"accelerator={accelerator}",
                 "hydra.launcher.partition=gpu",
             ],
             return_hydra_config=True,
         )
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
-    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 4, 4)
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 4, gpus)
     assert launcher.partition == "gpu" and launcher.timeout_min == 240
+    assert launcher.cpus_per_task >= 1
 
 
 def test_submitit_local_executor_runs_a_job(tmp_path: Path) -> None:

@@ -85,6 +85,10 @@ def _quiet_agent_logs() -> None:
     rank's traceback is shown once by `describe_failure` instead. Restart notices stay."""
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    # At Ctrl-C or SIGTERM the launching process prints one line of its own.
+    logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(
+        lambda record: "death signal" not in record.getMessage()
+    )
 
 
 def describe_failure(error: ChildFailedError, log_dir: Path) -> WorkerFailed:

@@ -14,7 +14,20 @@ PLUGINS = {
 }
 
 
+# Launchers that submit jobs, which Hydra uses only for a sweep (-m).
+SUBMITTING_LAUNCHERS = ("launcher=slurm", "launcher=submitit_local")
+
+
 def require_plugins(args: list[str]) -> None:
+    for option in SUBMITTING_LAUNCHERS:
+        if option in args and not {"-m", "--multirun"} & set(args):
+            raise ConfigError(
+                "launcher",
+                option.split("=")[1],
+                "a launcher for sweeps: Hydra submits jobs only with -m (--multirun), "
+                "and without it the run would train on this machine",
+                f"python train.py -m {option} ...",
+            )
     for option, (module, package) in PLUGINS.items():
         if option in args and importlib.util.find_spec(module) is None:
             raise ConfigError(

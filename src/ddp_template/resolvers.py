@@ -96,6 +96,8 @@ def on_cuda(accelerator: str) -> bool:
 
 
 def register() -> None:
+    from ddp_template import slurm
+
     OmegaConf.register_new_resolver("job_stamp", job_stamp, use_cache=True, replace=True)
     OmegaConf.register_new_resolver("if_rank_zero", if_rank_zero, replace=True)
     OmegaConf.register_new_resolver("rank_zero_file", rank_zero_file, replace=True)
@@ -103,3 +105,7 @@ def register() -> None:
     OmegaConf.register_new_resolver("explicit_or", explicit_or, replace=True)
     OmegaConf.register_new_resolver("workers_per_rank", workers_per_rank, replace=True)
     OmegaConf.register_new_resolver("on_cuda", on_cuda, replace=True)
+    OmegaConf.register_new_resolver("slurm_gpus", slurm.gpus_per_node, replace=True)
+    OmegaConf.register_new_resolver(
+        "slurm_cpus_per_task", slurm.cpus_per_task, use_cache=True, replace=True
+    )

@@ -16,6 +16,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddp_template import resolvers
@@ -61,10 +62,24 @@ def run(cfg: DictConfig) -> float | None:
         )
     except UserFacingError as err:
         return _report(err)
+    except SignalException as stop:
+        _stopped_by_signal(cfg, stop.sigval)
     if not results:
         return None
     print_summary(results)
     return results.get(cfg.optimized_metric)
+
+
+def _stopped_by_signal(cfg: DictConfig, signum: int) -> None:
+    """Ctrl-C or SIGTERM: the workers are stopped; one line says how to resume. A sweep
+    stops too (its other jobs would be interrupted the same way)."""
+    from ddp_template.preemption import interrupted_message
+
+    checkpoints = cfg.get("callbacks", {}).get("model_checkpoint") or {}
+    folder = Path(checkpoints.get("dirpath") or Path(cfg.paths.output_dir) / "checkpoints")
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    print(f"error: {interrupted_message(signum, folder, overrides)}", file=sys.stderr)
+    sys.exit(128 + int(signum))
 
 
 def processes_per_node(cfg: DictConfig) -> int:
@@ -132,6 +147,7 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     export_weights(module.model, weights)
     results = collect_results(cfg, trainer, fit_metrics, test_metrics, weights)
     results["restarts"] = _restart_count()
+    results["requeues"] = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     results["resumed_from"] = ckpt_path
     write_json_atomic(job_dir / RESULTS_FILE, results)
     attach_results(trainer.loggers, job_dir / RESULTS_FILE, results)
@@ -139,7 +155,9 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _restart_count() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    """Restarts of the worker group (elastic agent), or requeues of the SLURM job."""
+    names = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+    return sum(int(os.environ.get(name, "0")) for name in names)
 
 
 def _resume_point(cfg: DictConfig, trainer) -> str | None:

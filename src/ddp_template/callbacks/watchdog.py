@@ -9,8 +9,10 @@ collectives its process group recorded when the flight recorder is on, to
 `<dir>/rank_<N>.txt`; rank 0 prints where the files are and which collective each rank is
 in. Then every rank exits (`on_hang: exit`) or keeps waiting (`on_hang: wait`).
 
-At any time, `kill -USR2 <pid>` writes the stacks of one rank into its stderr log
-(SIGUSR1 belongs to Lightning's SLURM requeue).
+At any time, `kill -QUIT <pid>` writes the stacks of one rank into its stderr log (as
+`kill -3` does for a JVM): SIGQUIT, because SIGUSR1 and SIGUSR2 belong to the SLURM
+preemption handlers (Lightning's and submitit's). The thread lives as long as the stage it
+watches: teardown and a failure stop it, so nothing armed outlives a failed job of a sweep.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ ON_HANG = ("exit", "wait")
 # How long rank 0 waits for the other ranks' files, and they for its report, after a hang.
 _GATHER_S = 10.0
 _SUMMARY = "summary.txt"
+# `kill -QUIT <pid>`: a rank writes its stacks (a signal no launcher or scheduler uses).
+STACKS_SIGNAL = getattr(signal, "SIGQUIT", None)
 
 
 class HangWatchdog(L.Callback):
@@ -53,6 +57,7 @@ class HangWatchdog(L.Callback):
         self._active = False
         self._reported = False
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
         self._rank = 0
         self._world = 1
 
@@ -64,15 +69,27 @@ class HangWatchdog(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._rank, self._world = trainer.global_rank, trainer.world_size
-        if self._thread is None:
-            _stacks_on_sigusr2()
-            self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
-            self._thread.start()
         self._beat(f"setup ({stage})")
         self._active = True
+        if self._thread is None:
+            _stacks_on_signal()
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
+            self._thread.start()
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.stop()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Ends the watching thread (the next stage starts a new one)."""
         self._active = False
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._beat("training start")
@@ -107,8 +124,7 @@ class HangWatchdog(L.Callback):
     # --- the watching thread ---------------------------------------------------------------
     def _watch(self) -> None:
         poll = min(1.0, self.timeout_s / 10)
-        while True:
-            time.sleep(poll)
+        while not self._stop.wait(poll):
             idle = time.monotonic() - self._last
             if self._active and not self._reported and idle > self.timeout_s:
                 self._reported = True
@@ -162,9 +178,9 @@ class HangWatchdog(L.Callback):
         )
 
 
-def _stacks_on_sigusr2() -> None:
+def _stacks_on_signal() -> None:
     with contextlib.suppress(AttributeError, ValueError, OSError):  # no such signal, or no file
-        faulthandler.register(signal.SIGUSR2, file=sys.stderr, all_threads=True)
+        faulthandler.register(STACKS_SIGNAL, file=sys.stderr, all_threads=True)
 
 
 def _wait_for(condition, seconds: float) -> None:

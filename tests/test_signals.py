@@ -1,0 +1,114 @@
+"""Signals have one owner each: Ctrl-C or SIGTERM stop a DDP run at once with one line that
+says how to resume; the watchdog dumps stacks on SIGQUIT (SIGUSR1/2 belong to SLURM
+preemption) and its thread never outlives the job it watches."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import FAST, ROOT, TESTS, train
+
+LONG_DDP = [
+    "strategy=ddp",
+    "devices=2",
+    "data=synthetic",
+    "data.num_samples=2560",
+    "data.eval_samples=32",
+    "data.image_size=8",
+    "data.batch_size=32",
+    "trainer.max_epochs=50",
+    "trainer.limit_val_batches=1",
+    "trainer.num_sanity_val_steps=0",
+    "logger=none",
+    "debug=watchdog",
+    "hydra.run.dir=run",
+]
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen:
+    path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # Its own process group, as a terminal's foreground job: Ctrl-C reaches every process.
+        start_new_session=True,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["ctrl-c to every process", "SIGTERM to the launcher"])
+def test_a_stopped_run_ends_at_once_and_says_how_to_resume(tmp_path: Path, how: str) -> None:
+    proc = _start(LONG_DDP, tmp_path)
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    deadline = time.time() + 300
+    while not last.is_file():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    ranks = [p for p in workers if "spawn_main" in " ".join(p.cmdline())]
+    assert len(ranks) == 2
+    # The watchdog's stack dump answers SIGQUIT and leaves the rank running.
+    ranks[0].send_signal(signal.SIGQUIT)
+    time.sleep(2)
+    assert ranks[0].is_running()
+
+    stopped = time.time()
+    if how == "ctrl-c to every process":
+        os.killpg(proc.pid, signal.SIGINT)
+        signum = signal.SIGINT
+    else:
+        proc.send_signal(signal.SIGTERM)
+        signum = signal.SIGTERM
+    out, err = proc.communicate(timeout=120)
+    took = time.time() - stopped
+    # Well under the elastic agent's 30 s before it SIGKILLs workers that do not stop.
+    assert took < 25, f"took {took:.1f} s"
+    assert proc.returncode == 128 + signum
+    assert not [p for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
+    (line,) = [x for x in err.splitlines() if x.startswith("error:")]
+    name = signal.Signals(signum).name
+    assert line.startswith(f"error: stopped by {name}; the last checkpoint is {last}")
+    command = shlex.split(line.split("resume with: ", 1)[1])
+    assert command[:2] == ["python", "train.py"] and command[-1] == f"ckpt_path={last}"
+    assert "strategy=ddp" in command and not any(a.startswith("hydra.run.dir") for a in command)
+    stacks = (tmp_path / "run" / "logs" / "attempt_0").glob("*/stderr.log")
+    assert any("most recent call first" in f.read_text() for f in stacks)
+
+
+@pytest.mark.slow
+def test_a_failed_sweep_job_leaves_no_watchdog_armed(tmp_path: Path) -> None:
+    """Job 0 fails in its first step; its watchdog (timeout 8 s) must not fire later and
+    end the sweep process while job 1 trains (9 steps of at least 1 s each)."""
+    proc = train(
+        "-m",
+        *FAST,
+        "trainer.max_epochs=3",
+        "debug=watchdog",
+        "callbacks.hang_watchdog.timeout_s=8",
+        "+callbacks.fail._target_=slurm_probe.FailAtStep",
+        "+callbacks.fail.fail=true,false",
+        "+callbacks.fail.step=0",
+        "+callbacks.slow._target_=slurm_probe.StepProbe",
+        "+callbacks.slow.step_s=1",
+        cwd=tmp_path,
+        check=False,
+        timeout=400,
+    )
+    assert "injected failure at step 0" in proc.stderr
+    assert "Hang: no progress" not in proc.stdout + proc.stderr
+    (sweep,) = [p for p in (tmp_path / "multirun").glob("*/*") if p.is_dir()]
+    assert not (sweep / "0" / "results.json").exists()
+    assert (sweep / "1" / "results.json").is_file(), proc.stderr[-3000:]
