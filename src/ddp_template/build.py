@@ -21,12 +21,7 @@ def build_task(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModul
         datamodule = instantiate(cfg.task.datamodule, **cfg.data, seed=cfg.seed)
         # Plain containers (not DictConfig) in hyper-parameters keep checkpoints loadable
         # with torch.load(weights_only=True).
-        module = instantiate(
-            cfg.task.module,
-            num_classes=datamodule.num_classes,
-            in_channels=datamodule.in_channels,
-            _convert_="all",
-        )
+        module = instantiate(cfg.task.module, **datamodule.model_inputs(), _convert_="all")
     except InstantiationException as err:
         if isinstance(err.__cause__, ConfigError):
             raise err.__cause__ from None

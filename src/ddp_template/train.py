@@ -181,8 +181,6 @@ def _configure_console_logging() -> None:
 
 
 def _quiet_known_warnings() -> None:
-    # In-memory data sets load fastest in the training process; Lightning suggests workers.
-    warnings.filterwarnings("ignore", ".*does not have many workers.*")
     # SpeedMonitor logs values it already reduced over ranks.
     warnings.filterwarnings("ignore", ".*self.log\\('(perf|ddp)/.*sync_dist=True.*")
     # Raised inside Lightning by newer torch releases; nothing a user can act on.
