@@ -8,6 +8,7 @@ from datetime import timedelta
 import lightning as L
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from omegaconf import DictConfig, OmegaConf
 
@@ -64,10 +65,14 @@ def world_size(cfg: DictConfig) -> int:
 
 def build_trainer(cfg: DictConfig) -> L.Trainer:
     trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
-    if trainer_args.get("enable_progress_bar") is None:
-        # A live bar only on a terminal; log files get one line per epoch instead.
-        trainer_args["enable_progress_bar"] = sys.stdout.isatty()
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c]
+    # callbacks.progress draws a bar on a terminal and prints lines anywhere else; without
+    # it, Lightning's own bar only on a terminal.
+    has_progress = any(isinstance(c, ProgressBar) for c in callbacks)
+    if trainer_args.get("enable_progress_bar") is None:
+        trainer_args["enable_progress_bar"] = has_progress or sys.stdout.isatty()
+    if not trainer_args["enable_progress_bar"]:
+        callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     return L.Trainer(
         accelerator=cfg.accelerator,

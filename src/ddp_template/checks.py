@@ -19,6 +19,7 @@ from omegaconf import DictConfig, open_dict
 from ddp_template.build import build_task
 from ddp_template.callbacks.watchdog import ON_HANG
 from ddp_template.comm_hooks import COMM_HOOKS
+from ddp_template.compiling import check_compile
 from ddp_template.debug import DISTRIBUTED_DEBUG_LEVELS
 from ddp_template.errors import ConfigError
 from ddp_template.launch import processes_started_externally
@@ -52,6 +53,7 @@ def check_config(cfg: DictConfig) -> None:
     _check_trainer_args(cfg)
     _check_loader(cfg.data)
     _check_task_data(cfg)
+    check_compile(cfg)
     _check_sync_batchnorm(cfg)
     _check_debug(cfg)
     if cfg.ckpt_path is not None:
