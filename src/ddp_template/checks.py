@@ -17,6 +17,7 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from ddp_template.build import build_task
+from ddp_template.callbacks.progress import check_progress
 from ddp_template.callbacks.watchdog import ON_HANG
 from ddp_template.comm_hooks import COMM_HOOKS
 from ddp_template.compiling import check_compile
@@ -54,6 +55,7 @@ def check_config(cfg: DictConfig) -> None:
     _check_loader(cfg.data)
     _check_task_data(cfg)
     check_compile(cfg)
+    check_progress(cfg)
     _check_sync_batchnorm(cfg)
     _check_debug(cfg)
     if cfg.ckpt_path is not None:

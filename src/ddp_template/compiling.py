@@ -26,6 +26,14 @@ def check_compile(cfg: DictConfig) -> None:
             "true (torch.compile the model's forward) or false",
             "compile=true or compile=false",
         )
+    if value and cfg.strategy.name == "ddp_spawn":
+        raise ConfigError(
+            "compile",
+            value,
+            "not with strategy=ddp_spawn: spawning pickles the module, and a module's pickle "
+            "leaves out its compiled forward, so the ranks would train uncompiled",
+            "use strategy=ddp (the default for devices > 1) with compile=true",
+        )
 
 
 def compile_if_asked(cfg: DictConfig, module: L.LightningModule) -> None:

@@ -13,6 +13,9 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
 from lightning.pytorch.utilities.data import extract_batch_size
+from omegaconf import DictConfig
+
+from ddp_template.errors import ConfigError
 
 
 def progress_reporter(
@@ -22,6 +25,30 @@ def progress_reporter(
     if sys.stdout.isatty():
         return RichProgressBar()
     return ProgressLines(every_n_steps=every_n_steps, every_s=every_s)
+
+
+def check_progress(cfg: DictConfig) -> None:
+    """callbacks.progress: each interval null or > 0 (0 would print at every step)."""
+    progress = (cfg.get("callbacks") or {}).get("progress")
+    if not progress:
+        return
+    steps, seconds = progress.get("every_n_steps"), progress.get("every_s")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ConfigError(
+            "callbacks.progress.every_n_steps",
+            steps,
+            "a whole number of training steps >= 1, or null (lines by time only)",
+            "e.g. callbacks.progress.every_n_steps=100",
+        )
+    if seconds is not None and (
+        isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0
+    ):
+        raise ConfigError(
+            "callbacks.progress.every_s",
+            seconds,
+            "seconds > 0, or null (lines by steps only)",
+            "e.g. callbacks.progress.every_s=30",
+        )
 
 
 def draws_live_bar(trainer: L.Trainer) -> bool:
