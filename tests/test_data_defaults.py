@@ -13,6 +13,7 @@ from torch import nn
 
 from ddp_template.build import build_task
 from ddp_template.checks import check_config
+from ddp_template.errors import ConfigError
 from ddp_template.resolvers import workers_per_rank
 
 
@@ -99,6 +100,14 @@ def test_the_startup_report_states_size_stem_and_workers(tmp_path: Path) -> None
     assert "32x32 px, 3 channels (the images' own size)" in report
     assert "small-image stem" in report and "32 px inputs <= 64 px (small_input=auto)" in report
     assert "samples decoded one by one" in report
+
+
+def test_unreadable_image_is_named_before_workers(tmp_path: Path) -> None:
+    root = image_folder(tmp_path / "px32", side=32, per_class=1)
+    broken = root / "train" / "class_0" / "0.png"
+    broken.write_bytes(b"not an image")
+    with pytest.raises(ConfigError, match="0.png"):
+        built("data=imagefolder", f"data.root={root}")
 
 
 @pytest.mark.parametrize(

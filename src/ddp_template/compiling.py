@@ -11,7 +11,10 @@ The first steps compile; the speed monitor keeps them out of the step times (war
 
 from __future__ import annotations
 
+import logging
+
 import lightning as L
+import torch
 from omegaconf import DictConfig
 
 from ddp_template.errors import ConfigError
@@ -37,5 +40,9 @@ def check_compile(cfg: DictConfig) -> None:
 
 
 def compile_if_asked(cfg: DictConfig, module: L.LightningModule) -> None:
-    if cfg.get("compile", False):
-        module.compile()
+    if not cfg.get("compile", False):
+        return
+    if not torch.cuda.is_available():
+        # Inductor's C++ build notes at every start that it found no CUDA: expected here.
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    module.compile()

@@ -209,7 +209,7 @@ class ImageFolder:
         for name in classes[::step][:SIZE_SAMPLE_FILES]:
             for file in sorted((top / name).iterdir()):
                 if file.suffix.lower() in IMAGE_SUFFIXES:
-                    sides.append(_shorter_side(file))
+                    sides.append(_shorter_side(file, self.root))
                     break
         return int(statistics.median(sides))
 
@@ -268,7 +268,7 @@ class ImageFolder:
         return Subset(train_full, train), Subset(eval_full, val), Subset(eval_full, test)
 
 
-def _shorter_side(path: Path) -> int:
+def _shorter_side(path: Path, root: str) -> int:
     from PIL import Image
 
     try:
@@ -277,8 +277,8 @@ def _shorter_side(path: Path) -> int:
     except OSError as err:
         raise ConfigError(
             "data.root",
-            str(path.parent.parent),
-            f"readable images; {path} is not ({err})",
+            root,
+            f"a folder of readable images; {path} is not ({err})",
             "remove or replace that file",
         ) from None
 
