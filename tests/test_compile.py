@@ -36,7 +36,7 @@ def test_compiled_model_trains_under_ddp(tmp_path: Path, monkeypatch) -> None:
     assert out["compile_time_s"] > 0
     assert out["warmup_time_s"] > 10 * out["step_time_median_s"]
     assert out["measured_steps"] >= 2 and "test/acc" in out
-    assert "torch.compile on the LightningModule's forward" in " ".join(proc.stdout.split())
+    assert "on: torch.compile on the LightningModule's forward" in " ".join(proc.stdout.split())
 
 
 def test_results_say_compile_is_off_by_default(tmp_path: Path) -> None:

@@ -109,7 +109,7 @@ def _workers_reason(trainer: L.Trainer, workers: int, local_ranks: int, cores: i
 def _compile_text(module: L.LightningModule) -> str:
     if getattr(module, "_compiled_call_impl", None) is None:
         return "off (compile=true compiles the model's forward with torch.compile)"
-    return "torch.compile on the LightningModule's forward, inside DDP; first steps compile"
+    return "on: torch.compile on the LightningModule's forward; the first steps compile"
 
 
 def oversubscription_warning(local_ranks: int, workers: int, cores: int) -> str | None:
