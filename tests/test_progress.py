@@ -15,7 +15,7 @@ from ddp_template.errors import ConfigError
 
 # epoch 1/1  step 2/6 (33%)  loss 2.402  18 samples/s  left: epoch 0:14, run 0:36
 LINE = re.compile(
-    r"^(?:\[rank0\] )?epoch (\d+)/(\d+)  step (\d+)/(\d+) \(\d+%\)  loss [\d.e+-]+  "
+    r"^(?:\[rank0\] )?epoch (\d+)(?:/(\d+))?  step (\d+)/(\d+) \(\d+%\)  loss [\d.e+-]+  "
     r"[\d,]+ samples/s  left: epoch \d+:\d\d, run \d+:\d\d$"
 )
 RUN = [
@@ -62,6 +62,9 @@ def test_two_ranks_print_progress_by_time_on_rank_0_only(tmp_path: Path) -> None
     run_dir = tmp_path / "run"
     proc = train(
         *RUN,
+        # A step limit ends the second epoch after 2 of its 6 steps.
+        "trainer.max_epochs=-1",
+        "trainer.max_steps=8",
         "logger=none",
         "strategy=ddp",
         "devices=2",
@@ -71,7 +74,8 @@ def test_two_ranks_print_progress_by_time_on_rank_0_only(tmp_path: Path) -> None
         f"hydra.run.dir={run_dir}",
         cwd=tmp_path,
     )
-    assert [int(m.group(3)) for m in progress_lines(proc.stdout)] == [1, 2, 3, 4, 5, 6]
+    steps = [(int(m.group(3)), int(m.group(4))) for m in progress_lines(proc.stdout)]
+    assert steps == [(step, 6) for step in range(1, 7)] + [(1, 2), (2, 2)], proc.stdout[-3000:]
     rank1 = (run_dir / "logs" / "attempt_0" / "1" / "stdout.log").read_text()
     assert not progress_lines(rank1) and "step 1/" not in rank1
 

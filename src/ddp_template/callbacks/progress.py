@@ -74,6 +74,7 @@ class ProgressLines(ProgressBar):
         self.every_n_steps = every_n_steps
         self.every_s = every_s
         self._enabled = True
+        self._epoch_total: float = math.inf
         self._reset_window(time.monotonic())
 
     def disable(self) -> None:
@@ -93,6 +94,8 @@ class ProgressLines(ProgressBar):
         self._loss_count = 0
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Read once: under a step limit Lightning's count shrinks as the steps go.
+        self._epoch_total = self.total_train_batches
         self._reset_window(time.monotonic())
 
     def on_train_batch_end(
@@ -120,7 +123,7 @@ class ProgressLines(ProgressBar):
 
     def _line(self, trainer: L.Trainer, batch_idx: int, now: float) -> str:
         elapsed = max(now - self._window_start, 1e-9)
-        total = self.total_train_batches
+        total = self._epoch_total
         done = batch_idx + 1
         epochs = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
         parts = [f"epoch {trainer.current_epoch + 1}{epochs}"]
