@@ -39,6 +39,7 @@ def test_compiled_model_trains_under_ddp(tmp_path: Path, monkeypatch) -> None:
     assert "on: torch.compile on the LightningModule's forward" in " ".join(proc.stdout.split())
 
 
+@pytest.mark.slow
 def test_results_say_compile_is_off_by_default(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     train(
