@@ -8,7 +8,7 @@ from datetime import timedelta
 import lightning as L
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from omegaconf import DictConfig, OmegaConf
@@ -25,12 +25,7 @@ def build_task(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModul
         datamodule = instantiate(cfg.task.datamodule, **cfg.data, seed=cfg.seed)
         # Plain containers (not DictConfig) in hyper-parameters keep checkpoints loadable
         # with torch.load(weights_only=True).
-        module = instantiate(
-            cfg.task.module,
-            num_classes=datamodule.num_classes,
-            in_channels=datamodule.in_channels,
-            _convert_="all",
-        )
+        module = instantiate(cfg.task.module, **datamodule.model_inputs(), _convert_="all")
     except InstantiationException as err:
         if isinstance(err.__cause__, ConfigError):
             raise err.__cause__ from None
@@ -95,9 +90,14 @@ _LR_MONITOR = "lightning.pytorch.callbacks.LearningRateMonitor"
 def build_trainer(cfg: DictConfig, loggers: list[Logger] | None = None) -> L.Trainer:
     """The Trainer of a worker; `loggers=[]` builds it without opening any tracker."""
     trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
+    callbacks = build_callbacks(cfg)
+    # callbacks.progress draws a bar on a terminal and prints lines anywhere else; without
+    # it, Lightning's own bar only on a terminal.
+    has_progress = any(isinstance(c, ProgressBar) for c in callbacks)
     if trainer_args.get("enable_progress_bar") is None:
-        # A live bar only on a terminal; log files get one line per epoch instead.
-        trainer_args["enable_progress_bar"] = sys.stdout.isatty()
+        trainer_args["enable_progress_bar"] = has_progress or sys.stdout.isatty()
+    if not trainer_args["enable_progress_bar"]:
+        callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
     return L.Trainer(
         accelerator=cfg.accelerator,
         devices=cfg.devices,
@@ -105,7 +105,7 @@ def build_trainer(cfg: DictConfig, loggers: list[Logger] | None = None) -> L.Tra
         precision=cfg.precision,
         strategy=build_strategy(cfg),
         sync_batchnorm=cfg.sync_batchnorm,
-        callbacks=build_callbacks(cfg),
+        callbacks=callbacks,
         logger=build_loggers(cfg) if loggers is None else loggers,
         default_root_dir=cfg.paths.output_dir,
         **trainer_args,

@@ -16,6 +16,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ddp_template.build_check import check_by_building
+from ddp_template.callbacks.progress import check_progress
+from ddp_template.compiling import check_compile
 from ddp_template.errors import ConfigError
 from ddp_template.launch import processes_started_externally
 from ddp_template.schema import TRAINER_ARGS_ELSEWHERE, check_types_and_ranges
@@ -39,6 +41,8 @@ def check_config(cfg: DictConfig) -> None:
     _check_task_data(cfg)
     _check_prefetch(cfg.data)
     check_trackers(cfg)
+    check_compile(cfg)
+    check_progress(cfg)
     if cfg.ckpt_path is not None:
         check_checkpoint_file(cfg.ckpt_path)
     check_by_building(cfg)

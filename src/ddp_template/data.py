@@ -9,7 +9,9 @@ once, so metrics synchronised over ranks equal those of a single process.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sized
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
@@ -42,6 +44,14 @@ class ShardedDataModule(L.LightningDataModule):
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
+
+    # Samples decoded on the CPU one by one (image files, per-image transforms): loader
+    # workers pay off. Subclasses whose data sits in memory as tensors keep False.
+    decoded_per_sample = False
+
+    def model_inputs(self) -> dict[str, Any]:
+        """What the task's LightningModule is sized by, passed to its constructor."""
+        return {"num_classes": self.num_classes, "in_channels": self.in_channels}
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, train=True)
@@ -78,6 +88,10 @@ class ShardedDataModule(L.LightningDataModule):
             sampler = UnrepeatedDistributedSampler(
                 dataset, num_replicas=world_size, rank=rank, shuffle=False
             )
+        if not self.decoded_per_sample:
+            # Tensors in memory load fastest in the training process: Lightning's advice to
+            # add workers is wrong here (it stays on for decoded data, where it is right).
+            warnings.filterwarnings("ignore", ".*does not have many workers.*")
         workers = self.num_workers > 0
         return DataLoader(
             dataset,

@@ -77,11 +77,12 @@ def explicit_or(value: object, default: int) -> object:
     return default if value == "auto" else value
 
 
-def workers_per_rank(processes_per_node: object) -> int:
-    """DataLoader workers for one rank: the cores it may use, less the one it trains on."""
+def workers_per_rank(processes_per_node: object, minimum: int = 1) -> int:
+    """DataLoader workers for one rank: the cores it may use, less the one it trains on
+    (`${workers_per_rank:${devices},0}` allows none when a rank has a single core)."""
     processes = processes_per_node if isinstance(processes_per_node, int) else 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, processes) - 1)
+    return max(minimum, (cores or 1) // max(1, processes) - 1)
 
 
 def on_cuda(accelerator: str) -> bool:

@@ -51,6 +51,9 @@ def collect_results(
         "data_wait_fraction": metrics.get("perf/data_wait_fraction"),
         "data_wait_fraction_per_rank": _per_rank(metrics, "perf/data_wait_fraction/rank_"),
         "measured_steps": int(metrics.get("perf/measured_steps", 0)),
+        "compile": bool(cfg.get("compile", False)),
+        "warmup_time_s": metrics.get("perf/warmup_time_s"),
+        "compile_time_s": _compile_time(cfg, metrics),
         "memory_kind": memory_kind(trainer.strategy.root_device),
         "world_size": trainer.world_size,
         "num_nodes": trainer.num_nodes,
@@ -93,6 +96,15 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def _compile_time(cfg: DictConfig, metrics: dict[str, float]) -> float | None:
+    """With compile=true: the warm-up steps' time beyond as many steady steps (compilation
+    happens in the first steps; the speed monitor keeps them out of the step times)."""
+    warmup, step = metrics.get("perf/warmup_time_s"), metrics.get("perf/step_time_median_s")
+    if not cfg.get("compile") or warmup is None or step is None:
+        return None
+    return max(0.0, warmup - metrics.get("perf/warmup_steps", 0.0) * step)
 
 
 def _per_rank(metrics: dict[str, float], prefix: str) -> dict[str, float]:

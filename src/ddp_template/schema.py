@@ -39,6 +39,7 @@ class Run:
     max_restarts: int = 0
     test: bool = True
     optimized_metric: str = "test/acc"
+    compile: bool = False
 
 
 @dataclass

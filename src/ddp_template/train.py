@@ -107,6 +107,7 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     import lightning as L
 
     from ddp_template.build import build_task, build_trainer
+    from ddp_template.compiling import compile_if_asked
     from ddp_template.debug import apply_debug_environment, explain_unused_parameters
     from ddp_template.results import (
         RESULTS_FILE,
@@ -126,6 +127,7 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     datamodule, module = build_task(cfg)
+    compile_if_asked(cfg, module)
     trainer = build_trainer(cfg)
     ckpt_path = _resume_point(cfg, trainer)
     with explain_unused_parameters(module):
@@ -201,8 +203,6 @@ def _configure_console_logging() -> None:
 
 
 def _quiet_known_warnings() -> None:
-    # In-memory data sets load fastest in the training process; Lightning suggests workers.
-    warnings.filterwarnings("ignore", ".*does not have many workers.*")
     # SpeedMonitor logs values it already reduced over ranks.
     warnings.filterwarnings("ignore", ".*self.log\\('(perf|ddp)/.*sync_dist=True.*")
     # Raised inside Lightning by newer torch releases; nothing a user can act on.

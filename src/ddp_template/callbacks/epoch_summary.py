@@ -1,13 +1,16 @@
-"""One line per epoch on rank 0 when there is no progress bar (log files, pipes, clusters)."""
+"""One line per epoch on rank 0 unless a live progress bar shows it (log files, pipes,
+clusters)."""
 
 from __future__ import annotations
 
 import lightning as L
 
+from ddp_template.callbacks.progress import draws_live_bar
+
 
 class EpochSummary(L.Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not trainer.is_global_zero or trainer.progress_bar_callback is not None:
+        if not trainer.is_global_zero or draws_live_bar(trainer):
             return
         shown = ("train/loss", "train/acc", "val/loss", "val/acc", "perf/samples_per_sec")
         metrics = trainer.callback_metrics

@@ -30,6 +30,8 @@ class SpeedMonitor(L.Callback):
     - `perf/step_time_median_s`, `perf/step_time_p90_s` (the slowest rank's);
     - `perf/data_wait_fraction` (largest over ranks) and `perf/data_wait_fraction/rank_<N>`;
     - `perf/measured_steps`: steps timed;
+    - `perf/warmup_time_s`: wall time of the untimed warm-up steps (the slowest rank's): with
+      `compile=true` it holds the compilation, kept out of the step times;
     - `perf/peak_mem_mb/rank_<N>`: peak memory of every rank since the fit started.
     - `perf/peak_reserved_mb/rank_<N>` (CUDA): the allocator's peak reservation of every rank.
 
@@ -45,6 +47,8 @@ class SpeedMonitor(L.Callback):
 
     def _reset(self) -> None:
         self._steps_seen = 0
+        self._first_start: float | None = None
+        self._warmup_time = 0.0
         self._previous_end: float | None = None
         self._batch_start = 0.0
         self._batch_samples = 0
@@ -63,6 +67,8 @@ class SpeedMonitor(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._batch_start = time.perf_counter()
+        if self._first_start is None:
+            self._first_start = self._batch_start
         self._batch_samples = extract_batch_size(batch)
 
     def on_train_batch_end(
@@ -82,6 +88,8 @@ class SpeedMonitor(L.Callback):
             self._samples += self._batch_samples
         self._previous_end = end
         self._steps_seen += 1
+        if self._steps_seen == self.warmup_batches:
+            self._warmup_time = end - self._first_start
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         device = pl_module.device
@@ -95,6 +103,7 @@ class SpeedMonitor(L.Callback):
             float(sum(self._waits)) / elapsed if elapsed > 0 else 0.0,
             peak_memory_mb(device),
             peak_reserved_mb(device) or 0.0,
+            self._warmup_time,
         ]
         # Every rank takes part in this collective, whether it timed any step or not.
         ranks = _gather_rows(mine, device)
@@ -121,6 +130,8 @@ class SpeedMonitor(L.Callback):
                 }
             )
         metrics["perf/measured_steps"] = float(len(self._periods))
+        metrics["perf/warmup_time_s"] = max(row[7] for row in ranks)
+        metrics["perf/warmup_steps"] = float(min(self.warmup_batches, self._steps_seen))
         # Already reduced over ranks: every rank logs the same value.
         pl_module.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=False)
 

@@ -15,6 +15,7 @@ from rich.table import Table
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_template.callbacks.ddp_settings import read_ddp_settings
+from ddp_template.resolvers import workers_per_rank
 
 
 class StartupReport(L.Callback):
@@ -60,11 +61,14 @@ def startup_rows(trainer: L.Trainer) -> tuple[list[tuple[str, str]], list[str]]:
         ("backend", _backend(trainer)),
         ("DDP", _ddp_text(trainer)),
         ("sampler", _sampler_text(loader)),
+        *_task_rows(trainer),
         (
             "loader workers",
-            f"{workers} per rank: {local_ranks} x (1 + {workers}) processes on {cores} cores, "
+            f"{workers} per rank ({_workers_reason(trainer, workers, local_ranks, cores)}): "
+            f"{local_ranks} x (1 + {workers}) processes on {cores} cores, "
             f"{torch.get_num_threads()} torch threads per rank",
         ),
+        ("compile", _compile_text(trainer.lightning_module)),
         ("debug", _debug_text(trainer)),
         ("job folder", str(trainer.default_root_dir)),
         ("checkpoints", _checkpoint_dir(trainer)),
@@ -72,6 +76,40 @@ def startup_rows(trainer: L.Trainer) -> tuple[list[tuple[str, str]], list[str]]:
     ]
     warning = oversubscription_warning(local_ranks, workers, cores)
     return rows, [warning] if warning else []
+
+
+def _task_rows(trainer: L.Trainer) -> list[tuple[str, str]]:
+    """The input size and the model, as the task describes them (when it does)."""
+    rows = []
+    describe_input = getattr(trainer.datamodule, "describe_input", None)
+    if describe_input is not None:
+        rows.append(("input", describe_input()))
+    model = getattr(trainer.lightning_module, "model_description", None)
+    if model:
+        rows.append(("model", model))
+    return rows
+
+
+def _workers_reason(trainer: L.Trainer, workers: int, local_ranks: int, cores: int) -> str:
+    """Why this many: the data set's default (conf/data/), or a value set by hand."""
+    decoded = getattr(trainer.datamodule, "decoded_per_sample", None)
+    if decoded is None:
+        return "data.num_workers"
+    default = workers_per_rank(local_ranks, minimum=0) if decoded else 0
+    why = (
+        f"samples decoded one by one: {cores} cores / {local_ranks} rank(s) - 1"
+        if decoded
+        else "tensors in memory load fastest in the training process"
+    )
+    if workers == default:
+        return f"default, {why}"
+    return f"data.num_workers; the default here would be {default}, {why}"
+
+
+def _compile_text(module: L.LightningModule) -> str:
+    if getattr(module, "_compiled_call_impl", None) is None:
+        return "off (compile=true compiles the model's forward with torch.compile)"
+    return "on: torch.compile on the LightningModule's forward; the first steps compile"
 
 
 def oversubscription_warning(local_ranks: int, workers: int, cores: int) -> str | None:

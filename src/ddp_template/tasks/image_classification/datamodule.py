@@ -48,6 +48,17 @@ class ImageDataModule(ShardedDataModule):
     def in_channels(self) -> int:
         return self.source.in_channels
 
+    @property
+    def decoded_per_sample(self) -> bool:
+        return self.source.decoded_per_sample
+
+    def model_inputs(self) -> dict[str, Any]:
+        # The model's stem follows the input size.
+        return {**super().model_inputs(), "image_size": self.source.input_size}
+
+    def describe_input(self) -> str:
+        return self.source.describe_input()
+
     def prepare_data(self) -> None:
         prepare = getattr(self.source, "prepare", None)
         if prepare is not None:

@@ -11,7 +11,7 @@ from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from ddp_template.tasks.image_classification.model import build_resnet
+from ddp_template.tasks.image_classification.model import build_resnet, describe_stem
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
@@ -26,6 +26,7 @@ class ImageClassifier(L.LightningModule):
         model: dict[str, Any],
         num_classes: int,
         in_channels: int,
+        image_size: int | None = None,
         optimizer: OptimizerFactory | None = None,
         scheduler: SchedulerFactory | None = None,
     ) -> None:
@@ -33,7 +34,13 @@ class ImageClassifier(L.LightningModule):
         # Optimizer and scheduler factories are code, not hyper-parameters: keeping them out
         # lets checkpoints load with torch.load(weights_only=True).
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
-        self.model = build_resnet(num_classes=num_classes, in_channels=in_channels, **model)
+        self.model = build_resnet(
+            num_classes=num_classes, in_channels=in_channels, image_size=image_size, **model
+        )
+        # Shown by the start-up report.
+        self.model_description = f"{model['arch']}, " + describe_stem(
+            model.get("small_input", "auto"), image_size
+        )
         # Inputs follow the weights' layout; a mismatch would make every convolution convert.
         self.memory_format = (
             torch.channels_last if model.get("channels_last") else torch.contiguous_format
@@ -54,10 +61,11 @@ class ImageClassifier(L.LightningModule):
         images, labels = batch
         logits = self(images)
         loss = self.criterion(logits, labels)
-        self.train_loss.update(loss.detach(), weight=labels.numel())
-        self.train_acc.update(logits.detach(), labels)
-        self.log("train/loss", self.train_loss, on_step=False, on_epoch=True, prog_bar=True)
-        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True)
+        # Called (not just updated): the batch's own value is what on_step logs.
+        self.train_loss(loss.detach(), weight=labels.numel())
+        self.train_acc(logits.detach(), labels)
+        self.log("train/loss", self.train_loss, on_step=True, on_epoch=True, prog_bar=True)
+        self.log("train/acc", self.train_acc, on_step=True, on_epoch=True)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:

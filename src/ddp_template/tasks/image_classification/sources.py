@@ -1,12 +1,16 @@
 """Image data sets, each described by a small class: what it holds and how to split it.
 
-A source is cheap to construct (no data is read), so the config check can build it before
-any worker starts and reject a bad `root` or option with a clear message.
+A source is cheap to construct (no data is read, at most a few image headers), so the config
+check can build it before any worker starts and reject a bad `root` or option with a clear
+message. Each source also says its input size (the model's stem follows it) and whether its
+samples are decoded on the CPU one by one (then loader workers pay off; see conf/data/).
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -46,10 +50,16 @@ class Digits:
     split_seed: int = 0
     num_classes: int = 10
     in_channels: int = 1
+    # Tensors in memory: nothing to decode, loading in the training process is fastest.
+    decoded_per_sample = False
+    input_size = 8
 
     def __post_init__(self) -> None:
         _check_fraction("val_fraction", self.val_fraction)
         _check_fraction("test_fraction", self.test_fraction)
+
+    def describe_input(self) -> str:
+        return "8x8 px, 1 channel (scikit-learn's digits)"
 
     def splits(self) -> Splits:
         from sklearn.datasets import load_digits
@@ -99,6 +109,9 @@ class CIFAR10:
     augment: bool = True
     num_classes: int = 10
     in_channels: int = 3
+    # Arrays in memory, but every sample goes through PIL and the transforms one by one.
+    decoded_per_sample = True
+    input_size = 32
 
     def __post_init__(self) -> None:
         _check_fraction("val_fraction", self.val_fraction)
@@ -110,6 +123,9 @@ class CIFAR10:
                 f"no {datasets.CIFAR10.base_folder}/ folder there and data.download=false",
                 "point data.root at the folder holding cifar-10-batches-py/ or set data.download=true",
             )
+
+    def describe_input(self) -> str:
+        return "32x32 px, 3 channels (CIFAR-10's size)"
 
     def prepare(self) -> None:
         """Download once per node (Lightning calls this on local rank 0 only)."""
@@ -136,17 +152,26 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
+# Side (px) that large images are resized and cropped to by default: ImageNet's training size.
+LARGE_IMAGE_SIZE = 224
+# Image headers read to find a folder's image size (PIL reads a header without decoding).
+SIZE_SAMPLE_FILES = 16
+
+
 @dataclass
 class ImageFolder:
     """Class sub-folders of images, or an ImageNet layout with train/ and val/ inside."""
 
     root: str = ""
-    image_size: int = 224
+    # None: the images' own size (the median shorter side of a few files), at most 224 px.
+    image_size: int | None = None
     val_fraction: float = 0.1
     test_fraction: float = 0.1
     split_seed: int = 0
     augment: bool = True
     in_channels: int = 3
+    # Every sample is a file to read and decode (JPEG, PNG, ...): loader workers pay off.
+    decoded_per_sample = True
 
     def __post_init__(self) -> None:
         root = Path(self.root)
@@ -164,8 +189,46 @@ class ImageFolder:
                 "a folder with at least one class sub-folder holding images; found none",
                 "check the path, or arrange the images as root/<class>/<image>.jpg",
             )
-        if self.image_size < 1:
-            raise ConfigError("data.image_size", self.image_size, "a size >= 1", "e.g. 224")
+        size = self.image_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ConfigError(
+                "data.image_size",
+                size,
+                "a side in pixels >= 1, or null for the images' own size (at most "
+                f"{LARGE_IMAGE_SIZE} px)",
+                "e.g. data.image_size=224, or leave it out",
+            )
+
+    @cached_property
+    def native_size(self) -> int:
+        """The median shorter side of up to 16 images, taken from classes across the folder."""
+        classes = self._classes()
+        top = self._split_roots[0] if self._split_roots else Path(self.root)
+        step = max(1, len(classes) // SIZE_SAMPLE_FILES)
+        sides = []
+        for name in classes[::step][:SIZE_SAMPLE_FILES]:
+            for file in sorted((top / name).iterdir()):
+                if file.suffix.lower() in IMAGE_SUFFIXES:
+                    sides.append(_shorter_side(file, self.root))
+                    break
+        return int(statistics.median(sides))
+
+    @property
+    def input_size(self) -> int:
+        """The side images are resized and cropped to."""
+        if self.image_size is not None:
+            return self.image_size
+        return min(self.native_size, LARGE_IMAGE_SIZE)
+
+    def describe_input(self) -> str:
+        size, native = self.input_size, self.native_size
+        if self.image_size is not None:
+            why = f"data.image_size; the images are about {native} px"
+        elif size == native:
+            why = "the images' own size"
+        else:
+            why = f"the images are about {native} px: resized to ImageNet's {size} px"
+        return f"{size}x{size} px, 3 channels ({why})"
 
     @property
     def _split_roots(self) -> tuple[Path, Path] | None:
@@ -185,17 +248,12 @@ class ImageFolder:
         return len(self._classes())
 
     def splits(self) -> Splits:
+        size = self.input_size
         normalize = [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
-        train_tf = transforms.Compose(
-            [transforms.RandomResizedCrop(self.image_size), transforms.RandomHorizontalFlip()]
-            + normalize
-            if self.augment
-            else [transforms.Resize(self.image_size), transforms.CenterCrop(self.image_size)]
-            + normalize
-        )
-        eval_tf = transforms.Compose(
-            [transforms.Resize(self.image_size), transforms.CenterCrop(self.image_size)] + normalize
-        )
+        resize = [transforms.Resize(size), transforms.CenterCrop(size)]
+        augment = [transforms.RandomResizedCrop(size), transforms.RandomHorizontalFlip()]
+        train_tf = transforms.Compose((augment if self.augment else resize) + normalize)
+        eval_tf = transforms.Compose(resize + normalize)
         rgb = _rgb_loader
         if self._split_roots:
             train_root, val_root = self._split_roots
@@ -208,6 +266,21 @@ class ImageFolder:
             len(train_full), self.val_fraction, self.test_fraction, self.split_seed
         )
         return Subset(train_full, train), Subset(eval_full, val), Subset(eval_full, test)
+
+
+def _shorter_side(path: Path, root: str) -> int:
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            return min(image.size)
+    except OSError as err:
+        raise ConfigError(
+            "data.root",
+            root,
+            f"a folder of readable images; {path} is not ({err})",
+            "remove or replace that file",
+        ) from None
 
 
 def _rgb_loader(path: str):
@@ -243,11 +316,13 @@ class Synthetic:
     image_size: int = 32
     channels: int = 3
     num_classes: int = 10
+    # Each sample is a small tensor drawn in the training process: nothing to decode.
+    decoded_per_sample = False
 
     def __post_init__(self) -> None:
         for key in ("num_samples", "eval_samples", "image_size", "channels", "num_classes"):
             value = getattr(self, key)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(
                     f"data.{key}", value, "a whole number >= 1", f"e.g. data.{key}=32"
                 )
@@ -255,6 +330,14 @@ class Synthetic:
     @property
     def in_channels(self) -> int:
         return self.channels
+
+    @property
+    def input_size(self) -> int:
+        return self.image_size
+
+    def describe_input(self) -> str:
+        size = self.image_size
+        return f"{size}x{size} px, {self.channels} channels (data.image_size, random images)"
 
     def splits(self) -> Splits:
         shape = (self.channels, self.image_size, self.image_size)

@@ -57,10 +57,11 @@ class TabularClassificationModule(L.LightningModule):
         features, labels = batch
         logits = self(features)
         loss = self.criterion(logits, labels)
-        self.train_loss.update(loss.detach(), weight=labels.numel())
-        self.train_acc.update(logits.detach(), labels)
-        self.log("train/loss", self.train_loss, on_step=False, on_epoch=True, prog_bar=True)
-        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True)
+        # Called (not just updated): the batch's own value is what on_step logs.
+        self.train_loss(loss.detach(), weight=labels.numel())
+        self.train_acc(logits.detach(), labels)
+        self.log("train/loss", self.train_loss, on_step=True, on_epoch=True, prog_bar=True)
+        self.log("train/acc", self.train_acc, on_step=True, on_epoch=True)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
