@@ -198,7 +198,7 @@ def test_overfit_learns_a_few_batches(tmp_path: Path) -> None:
         float(epochs[-1][2]),
     )
     # What "it can learn" needs: every sample of the few batches right, and the loss down by
-    # an order of magnitude. How far below that it ends differs between CPUs (kernels, bf16).
+    # an order of magnitude. How far below that it ends differs between CPUs (their kernels).
     assert last_acc == 1.0 and last_loss < first_loss / 10
 
 
