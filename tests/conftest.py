@@ -1,4 +1,10 @@
-"""Helpers: run `python train.py` as a real subprocess, the way users do."""
+"""Helpers: run `python train.py` as a real subprocess, the way users do.
+
+Every run and every composed config trains on the CPU unless the test says otherwise
+(`accelerator=...` among its overrides): the same suite then passes on machines with and
+without GPUs. Tests of GPU paths carry `@pytest.mark.gpu(N)`, N being the GPUs they need;
+they run where that many CUDA devices are visible and are skipped with the reason elsewhere.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +19,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 
+# Pins the CPU: the tests check CPU behaviour (gloo, host memory, bf16 for 16-mixed).
+CPU = "accelerator=cpu"
+
 # Small, quick runs: a few batches, no per-epoch noise.
 FAST = [
+    CPU,
     "trainer.max_epochs=1",
     "trainer.limit_train_batches=3",
     "trainer.limit_val_batches=2",
@@ -25,9 +35,17 @@ FAST = [
 ]
 
 
+def on_cpu_unless_told(overrides: tuple[str, ...] | list[str]) -> list[str]:
+    """The overrides, plus `accelerator=cpu` when they name no accelerator."""
+    if any(o.lstrip("+~").startswith("accelerator=") for o in overrides):
+        return list(overrides)
+    return [*overrides, CPU]
+
+
 def train(
     *overrides: str, cwd: Path, timeout: float = 600, check: bool = True
 ) -> subprocess.CompletedProcess:
+    overrides = tuple(on_cpu_unless_told(overrides))
     # Kept after the tests folder: a PYTHONPATH set by the caller (a copy of the project).
     path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
@@ -57,7 +75,8 @@ def probes(run_dir: Path) -> list[dict]:
 
 
 def compose_train(*overrides: str):
-    """The training config as Hydra composes it, in this process (no job folder)."""
+    """The training config as Hydra composes it, in this process (no job folder); on the
+    CPU unless the overrides name an accelerator."""
     from hydra import compose, initialize_config_dir
     from omegaconf import open_dict
 
@@ -66,7 +85,7 @@ def compose_train(*overrides: str):
 
     resolvers.register()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("train", overrides=list(overrides))
+        cfg = compose("train", overrides=on_cpu_unless_told(overrides))
     with open_dict(cfg):
         cfg.paths.output_dir = "unused"
     return cfg
@@ -75,3 +94,32 @@ def compose_train(*overrides: str):
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
+
+
+def cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`@pytest.mark.gpu(N)`: run with N CUDA devices visible, skipped with the reason else."""
+    visible: int | None = None
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        if marker is None:
+            continue
+        needed = marker.args[0] if marker.args else None
+        if isinstance(needed, bool) or not isinstance(needed, int) or needed < 1:
+            raise pytest.UsageError(
+                f"{item.nodeid}: @pytest.mark.gpu takes the number of GPUs the test needs, "
+                f"e.g. @pytest.mark.gpu(1); got {marker.args!r}"
+            )
+        if visible is None:
+            visible = cuda_devices()
+        if visible < needed:
+            item.add_marker(
+                pytest.mark.skip(
+                    reason=f"needs {needed} CUDA GPU(s); {visible} visible on this machine"
+                )
+            )

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from conftest import FAST, ROOT, TESTS, results, train
+from conftest import CPU, FAST, ROOT, TESTS, results, train
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 TINY_DDP = ["strategy=ddp", "devices=2", *FAST]
@@ -217,6 +217,7 @@ def _kill_rank_one_after_first_checkpoint(proc: subprocess.Popen, job: Path) -> 
 
 
 RESTART_RUN = [
+    CPU,
     "strategy=ddp",
     "devices=2",
     "data=synthetic",

@@ -68,7 +68,8 @@ def test_tuned_loader_derives_workers_from_the_cores_per_rank(devices: int) -> N
     cfg = checked("loader=tuned", f"devices={devices}")
     cores = len(os.sched_getaffinity(0))
     assert cfg["data"]["num_workers"] == max(1, cores // devices - 1)
-    assert cfg["data"]["pin_memory"] is torch.cuda.is_available()
+    # Pinned memory only on CUDA runs; compose_train pins the CPU (tests/test_gpu.py: CUDA).
+    assert cfg["data"]["pin_memory"] is False
     assert cfg["data"]["persistent_workers"] is True
     assert cfg["data"]["prefetch_factor"] == 4
 
@@ -216,7 +217,9 @@ def test_speed_monitor_splits_loader_wait_from_the_step() -> None:
     # 12 steps: 2 of warm-up, and the first step of the second epoch is not timed.
     assert logged["perf/measured_steps"] == 9
     assert 0.3 < logged["perf/data_wait_fraction"] < 0.7
-    assert 0.035 < logged["perf/step_time_median_s"] < 0.2
+    # At least the two 20 ms sleeps; far below a second (a busy machine oversleeps, a unit
+    # mistake would read 40).
+    assert 0.035 < logged["perf/step_time_median_s"] < 1.0
     assert logged["perf/step_time_p90_s"] >= logged["perf/step_time_median_s"]
     median_rate = 8 / logged["perf/step_time_median_s"]
     assert logged["perf/samples_per_sec"] == pytest.approx(median_rate, rel=0.5)
