@@ -82,7 +82,11 @@ def test_default_source_is_image_classification(root: Path) -> None:
     )
     for relative in EXPECTED_FILES:
         text = (root / relative).read_text()
-        for old in ("image_classification", "ImageDataModule", "ImageClassifier"):
+        for old in (
+            "image_classification",
+            "ImageClassificationDataModule",
+            "ImageClassificationModule",
+        ):
             assert old not in text, f"{relative} still says {old}"
     module = (root / TASKS_DIR / "speech_tagging" / "module.py").read_text()
     assert "class SpeechTaggingModule(L.LightningModule):" in module

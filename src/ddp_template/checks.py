@@ -22,6 +22,7 @@ from ddp_template.comm_hooks import COMM_HOOKS
 from ddp_template.debug import DISTRIBUTED_DEBUG_LEVELS
 from ddp_template.errors import ConfigError
 from ddp_template.launch import processes_started_externally
+from ddp_template.metrics import check_monitor
 
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 PRECISIONS = ("32-true", "32", "16-mixed", "bf16-mixed", "64-true", "64", "16-true", "bf16-true")
@@ -228,7 +229,9 @@ def _check_task_data(cfg: DictConfig) -> None:
         )
     # Building the DataModule reads no data and the module only allocates its weights:
     # both check paths, names and options here, before any worker starts.
-    build_task(cfg)
+    _, module = build_task(cfg)
+    logged = getattr(module, "metrics", ())
+    check_monitor(cfg.task.get("monitor"), cfg.task.get("monitor_mode"), logged)
 
 
 def _check_sync_batchnorm(cfg: DictConfig) -> None:

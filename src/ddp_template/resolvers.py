@@ -12,6 +12,9 @@ import time
 
 from omegaconf import OmegaConf
 
+from ddp_template import metrics
+from ddp_template.topology import cores_per_process
+
 STAMP_FORMAT = "%Y-%m-%d/%H-%M-%S"
 
 
@@ -69,8 +72,7 @@ def add(*values: int) -> int:
 def workers_per_rank(processes_per_node: object) -> int:
     """DataLoader workers for one rank: the cores it may use, less the one it trains on."""
     processes = processes_per_node if isinstance(processes_per_node, int) else 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, processes) - 1)
+    return max(1, cores_per_process(processes) - 1)
 
 
 def on_cuda(accelerator: str) -> bool:
@@ -91,3 +93,4 @@ def register() -> None:
     OmegaConf.register_new_resolver("add", add, replace=True)
     OmegaConf.register_new_resolver("workers_per_rank", workers_per_rank, replace=True)
     OmegaConf.register_new_resolver("on_cuda", on_cuda, replace=True)
+    OmegaConf.register_new_resolver("direction", metrics.direction, replace=True)

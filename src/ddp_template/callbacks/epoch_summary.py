@@ -4,14 +4,26 @@ from __future__ import annotations
 
 import lightning as L
 
+from ddp_template import metrics as task_metrics
+
 
 class EpochSummary(L.Callback):
+    """The training and validation values of the metrics the task logs (its module's
+    `metrics`), then the best value of the monitored one so far, then the throughput."""
+
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero or trainer.progress_bar_callback is not None:
             return
-        shown = ("train/loss", "train/acc", "val/loss", "val/acc", "perf/samples_per_sec")
+        names = getattr(pl_module, "metrics", ())
+        shown = [task_metrics.key(stage, name) for stage in ("train", "val") for name in names]
         metrics = trainer.callback_metrics
         parts = [f"{key} {float(metrics[key]):.4g}" for key in shown if key in metrics]
+        checkpoint = trainer.checkpoint_callback
+        best = getattr(checkpoint, "best_model_score", None)
+        if best is not None:
+            parts.append(f"best {checkpoint.monitor} {float(best):.4g}")
+        if "perf/samples_per_sec" in metrics:
+            parts.append(f"samples/s {float(metrics['perf/samples_per_sec']):.4g}")
         # max_epochs=-1 (no limit, e.g. a benchmark stopped by max_steps) shows no total.
         total = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
         print(f"epoch {trainer.current_epoch + 1}{total}  " + "  ".join(parts), flush=True)

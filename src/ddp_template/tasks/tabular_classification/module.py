@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-import lightning as L
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -13,15 +11,16 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from ddp_template.errors import ConfigError
+from ddp_template.module import TaskModule
+from ddp_template.optim import OptimizerFactory, SchedulerFactory
 from ddp_template.tasks.tabular_classification.model import build_mlp
 
-OptimizerFactory = Callable[..., torch.optim.Optimizer]
-SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
 
-
-class TabularClassificationModule(L.LightningModule):
+class TabularClassificationModule(TaskModule):
     """Cross-entropy classifier. Metrics are torchmetrics objects: their states are summed
     over ranks at the end of an epoch, so they are exact under DDP."""
+
+    metrics = ("loss", "acc")
 
     def __init__(
         self,
@@ -30,15 +29,12 @@ class TabularClassificationModule(L.LightningModule):
         in_channels: int,
         optimizer: OptimizerFactory | None = None,
         scheduler: SchedulerFactory | None = None,
+        scheduler_interval: str = "step",
     ) -> None:
-        super().__init__()
-        # Optimizer and scheduler factories are code, not hyper-parameters: keeping them out
-        # lets checkpoints load with torch.load(weights_only=True).
+        super().__init__(optimizer, scheduler, scheduler_interval)
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         # in_channels: the number of feature columns (the DataModule's name for input width).
         self.model = build_mlp(num_features=in_channels, num_classes=num_classes, **model)
-        self.optimizer_factory = optimizer
-        self.scheduler_factory = scheduler
         self.criterion = nn.CrossEntropyLoss()
         self.train_loss = MeanMetric()
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
@@ -76,19 +72,6 @@ class TabularClassificationModule(L.LightningModule):
         acc.update(logits, labels)
         self.log(f"{stage}/loss", loss_metric, on_step=False, on_epoch=True, prog_bar=True)
         self.log(f"{stage}/acc", acc, on_step=False, on_epoch=True, prog_bar=True)
-
-    def configure_optimizers(self):
-        if self.optimizer_factory is None:
-            raise RuntimeError("training needs an optimizer: set task.module.optimizer")
-        optimizer = self.optimizer_factory(self.parameters())
-        if self.scheduler_factory is None:
-            return optimizer
-        total_steps = int(self.trainer.estimated_stepping_batches)
-        scheduler = self.scheduler_factory(optimizer, total_steps=total_steps)
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
-        }
 
 
 def _require_no_batch_of_one(loader: DataLoader) -> None:
