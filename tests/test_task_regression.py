@@ -1,4 +1,4 @@
-"""The {{ task }} task: its data, its model, and full runs as users start them,
+"""The regression task: its data, its model, and full runs as users start them,
 on one process and on two DDP processes (gloo on the CPU)."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from conftest import results, train
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_template.errors import ConfigError
-from ddp_template.tasks.{{ task }}.datamodule import {{ datamodule_class }}
-from ddp_template.tasks.{{ task }}.model import build_mlp
-from ddp_template.tasks.{{ task }}.module import _require_no_batch_of_one
+from ddp_template.tasks.regression.datamodule import RegressionDataModule
+from ddp_template.tasks.regression.model import build_mlp
+from ddp_template.tasks.regression.module import _require_no_batch_of_one
 
-TASK = "task={{ task }}"
+TASK = "task=regression"
 QUIET = ["trainer.enable_model_summary=false", "logger=none"]
 
 
@@ -26,7 +26,7 @@ QUIET = ["trainer.enable_model_summary=false", "logger=none"]
 def test_splits_are_standardised_with_training_rows_only(
     name: str, rows: int, features: int, classes: int
 ) -> None:
-    datamodule = {{ datamodule_class }}(name=name, batch_size=16)
+    datamodule = RegressionDataModule(name=name, batch_size=16)
     datamodule.setup("fit")
     train_x, train_y = datamodule.train_set.tensors
     test_x, _ = datamodule.test_set.tensors
