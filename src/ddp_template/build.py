@@ -16,15 +16,15 @@ from ddp_template.errors import ConfigError
 
 
 def build_task(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
-    """The task's DataModule (no data read yet) and LightningModule, sized to the data."""
+    """The task's DataModule (no data read yet) and LightningModule, sized to the data by
+    the DataModule's `sizes()` (input width, number of classes, ...)."""
     try:
         datamodule = instantiate(cfg.task.datamodule, **cfg.data, seed=cfg.seed)
         # Plain containers (not DictConfig) in hyper-parameters keep checkpoints loadable
         # with torch.load(weights_only=True).
         module = instantiate(
             cfg.task.module,
-            num_classes=datamodule.num_classes,
-            in_channels=datamodule.in_channels,
+            **datamodule.sizes(),
             _convert_="all",
         )
     except InstantiationException as err:

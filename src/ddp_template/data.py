@@ -25,7 +25,8 @@ Splits = tuple[Dataset, Dataset, Dataset]
 
 class ShardedDataModule(L.LightningDataModule):
     """Subclasses name their data sets in `sources` (`data=` name -> a source class whose
-    `splits()` returns train, validation and test sets); `setup()` fills the three splits.
+    `splits()` returns train, validation and test sets) and say in `sizes()` what their
+    module needs to know of the data; `setup()` fills the three splits.
 
     A source is cheap to construct (no data is read), so the config check builds the
     DataModule before any worker starts and rejects a bad name or option with a clear message.
@@ -67,6 +68,11 @@ class ShardedDataModule(L.LightningDataModule):
             raise ConfigError(
                 "data", name, f"options of {name} only ({err})", "remove the unknown data.<key>"
             ) from None
+
+    def sizes(self) -> dict[str, Any]:
+        """What the task's module must know of the data to be built (input width, number
+        of classes, ...): passed to its constructor."""
+        raise NotImplementedError(f"{type(self).__name__} must say how its module is sized")
 
     def prepare_data(self) -> None:
         prepare = getattr(self.source, "prepare", None)

@@ -18,12 +18,25 @@ class EpochSummary(L.Callback):
         shown = [task_metrics.key(stage, name) for stage in ("train", "val") for name in names]
         metrics = trainer.callback_metrics
         parts = [f"{key} {float(metrics[key]):.4g}" for key in shown if key in metrics]
-        checkpoint = trainer.checkpoint_callback
-        best = getattr(checkpoint, "best_model_score", None)
+        best = _best_so_far(trainer)
         if best is not None:
-            parts.append(f"best {checkpoint.monitor} {float(best):.4g}")
+            parts.append(best)
         if "perf/samples_per_sec" in metrics:
             parts.append(f"samples/s {float(metrics['perf/samples_per_sec']):.4g}")
         # max_epochs=-1 (no limit, e.g. a benchmark stopped by max_steps) shows no total.
         total = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""
         print(f"epoch {trainer.current_epoch + 1}{total}  " + "  ".join(parts), flush=True)
+
+
+def _best_so_far(trainer: L.Trainer) -> str | None:
+    """The checkpoint callback's best, this epoch's value included (it updates its own best
+    after this callback has run)."""
+    checkpoint = trainer.checkpoint_callback
+    monitor = getattr(checkpoint, "monitor", None)
+    if monitor not in trainer.callback_metrics:
+        return None
+    scores = [float(trainer.callback_metrics[monitor])]
+    if checkpoint.best_model_score is not None:
+        scores.append(float(checkpoint.best_model_score))
+    best = min(scores) if checkpoint.mode == "min" else max(scores)
+    return f"best {monitor} {best:.4g}"

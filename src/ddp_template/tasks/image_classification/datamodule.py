@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ddp_template.data import ShardedDataModule
 from ddp_template.tasks.image_classification.sources import SOURCES
 
@@ -9,10 +11,5 @@ from ddp_template.tasks.image_classification.sources import SOURCES
 class ImageClassificationDataModule(ShardedDataModule):
     sources = SOURCES
 
-    @property
-    def num_classes(self) -> int:
-        return self.source.num_classes
-
-    @property
-    def in_channels(self) -> int:
-        return self.source.in_channels
+    def sizes(self) -> dict[str, Any]:
+        return {"num_classes": self.source.num_classes, "in_channels": self.source.in_channels}

@@ -1,1 +1,1 @@
-"""Tabular classification: a multilayer perceptron with batch norm on scikit-learn tables."""
+"""Regression: a multilayer perceptron predicting one number from rows of numeric features."""

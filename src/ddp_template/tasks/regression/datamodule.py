@@ -1,6 +1,8 @@
-"""DataModule of the tabular classification task: `data=<name>` picks the table."""
+"""DataModule of the regression task: `data=<name>` picks the table."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from ddp_template.data import ShardedDataModule
 from ddp_template.tasks.regression.sources import SOURCES
@@ -9,11 +11,5 @@ from ddp_template.tasks.regression.sources import SOURCES
 class RegressionDataModule(ShardedDataModule):
     sources = SOURCES
 
-    @property
-    def num_classes(self) -> int:
-        return self.source.num_classes
-
-    @property
-    def in_channels(self) -> int:
-        """Input width of the model: the number of feature columns."""
-        return self.source.num_features
+    def sizes(self) -> dict[str, Any]:
+        return {"num_features": self.source.num_features}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ddp_template.data import ShardedDataModule
 from ddp_template.tasks.tabular_classification.sources import SOURCES
 
@@ -9,11 +11,5 @@ from ddp_template.tasks.tabular_classification.sources import SOURCES
 class TabularClassificationDataModule(ShardedDataModule):
     sources = SOURCES
 
-    @property
-    def num_classes(self) -> int:
-        return self.source.num_classes
-
-    @property
-    def in_channels(self) -> int:
-        """Input width of the model: the number of feature columns."""
-        return self.source.num_features
+    def sizes(self) -> dict[str, Any]:
+        return {"num_classes": self.source.num_classes, "num_features": self.source.num_features}

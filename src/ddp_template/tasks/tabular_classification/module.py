@@ -6,14 +6,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from ddp_template.errors import ConfigError
 from ddp_template.module import TaskModule
 from ddp_template.optim import OptimizerFactory, SchedulerFactory
-from ddp_template.tasks.tabular_classification.model import build_mlp
+from ddp_template.tasks.tabular_classification.model import build_mlp, require_no_batch_of_one
 
 
 class TabularClassificationModule(TaskModule):
@@ -26,15 +24,14 @@ class TabularClassificationModule(TaskModule):
         self,
         model: dict[str, Any],
         num_classes: int,
-        in_channels: int,
+        num_features: int,
         optimizer: OptimizerFactory | None = None,
         scheduler: SchedulerFactory | None = None,
         scheduler_interval: str = "step",
     ) -> None:
         super().__init__(optimizer, scheduler, scheduler_interval)
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
-        # in_channels: the number of feature columns (the DataModule's name for input width).
-        self.model = build_mlp(num_features=in_channels, num_classes=num_classes, **model)
+        self.model = build_mlp(num_features=num_features, num_classes=num_classes, **model)
         self.criterion = nn.CrossEntropyLoss()
         self.train_loss = MeanMetric()
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
@@ -47,7 +44,7 @@ class TabularClassificationModule(TaskModule):
 
     def on_train_start(self) -> None:
         if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.model.modules()):
-            _require_no_batch_of_one(self.trainer.train_dataloader)
+            require_no_batch_of_one(self.trainer.train_dataloader)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
         features, labels = batch
@@ -72,19 +69,3 @@ class TabularClassificationModule(TaskModule):
         acc.update(logits, labels)
         self.log(f"{stage}/loss", loss_metric, on_step=False, on_epoch=True, prog_bar=True)
         self.log(f"{stage}/acc", acc, on_step=False, on_epoch=True, prog_bar=True)
-
-
-def _require_no_batch_of_one(loader: DataLoader) -> None:
-    """Batch norm cannot normalise a training batch of one sample (torch raises "Expected
-    more than 1 value per channel"); every rank has the same shard size, so all would fail."""
-    if loader.drop_last or not loader.batch_size:
-        return
-    per_rank = len(loader.sampler)
-    if per_rank % loader.batch_size == 1:
-        raise ConfigError(
-            "data.batch_size",
-            loader.batch_size,
-            f"a size that leaves no training batch of one sample: each rank trains on "
-            f"{per_rank} samples, and batch norm needs two or more per batch",
-            f"e.g. data.batch_size={loader.batch_size + 1}, or data.drop_last=true",
-        )
