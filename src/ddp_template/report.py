@@ -68,8 +68,8 @@ def load_rows(
     load changes while the sweep runs."""
     folder = Path(folder)
     jobs = _job_dirs(folder)
-    measured = [(job, _read_results(job)) for job in jobs]
-    measured = [(job, result) for job, result in measured if result is not None]
+    read = {job: _read_results(job) for job in jobs}
+    measured = [(job, result) for job, result in read.items() if result is not None]
     if not measured:
         raise NoResults(_no_results_message(folder, jobs))
     overrides = {job: _overrides(job) for job, _ in measured}

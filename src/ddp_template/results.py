@@ -117,11 +117,13 @@ def _per_rank(metrics: dict[str, float], prefix: str) -> dict[str, float]:
 def _ddp_settings(metrics: dict[str, float]) -> dict[str, Any] | None:
     from ddp_template.comm_hooks import COMM_HOOKS
 
-    settings = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("ddp/")}
-    if not settings:
+    logged = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("ddp/")}
+    if not logged:
         return None
     flags = ("gradient_as_bucket_view", "static_graph", "find_unused_parameters")
-    settings = {key: bool(value) if key in flags else value for key, value in settings.items()}
+    settings: dict[str, Any] = {
+        key: bool(value) if key in flags else value for key, value in logged.items()
+    }
     if "comm_hook" in settings:
         settings["comm_hook"] = COMM_HOOKS[int(settings["comm_hook"])]
         settings["comm_hook_calls"] = int(settings["comm_hook_calls"])
@@ -135,8 +137,10 @@ def _best_score(trainer: L.Trainer) -> float | None:
 
 
 def _checkpoints(trainer: L.Trainer) -> dict[str, str | None]:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
     callback = trainer.checkpoint_callback
-    if callback is None:
+    if not isinstance(callback, ModelCheckpoint):
         return {"best": None, "last": None}
     return {"best": callback.best_model_path or None, "last": callback.last_model_path or None}
 

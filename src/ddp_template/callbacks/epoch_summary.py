@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ddp_template import metrics as task_metrics
 
@@ -32,7 +33,9 @@ def _best_so_far(trainer: L.Trainer) -> str | None:
     """The checkpoint callback's best, this epoch's value included (it updates its own best
     after this callback has run)."""
     checkpoint = trainer.checkpoint_callback
-    monitor = getattr(checkpoint, "monitor", None)
+    if not isinstance(checkpoint, ModelCheckpoint) or checkpoint.monitor is None:
+        return None
+    monitor = checkpoint.monitor
     if monitor not in trainer.callback_metrics:
         return None
     scores = [float(trainer.callback_metrics[monitor])]

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 from torchmetrics import MeanSquaredError, R2Score
 
 from ddp_template.module import TaskModule
@@ -47,7 +48,9 @@ class RegressionModule(TaskModule):
 
     def on_train_start(self) -> None:
         if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.model.modules()):
-            require_no_batch_of_one(self.trainer.train_dataloader)
+            loader = self.trainer.train_dataloader
+            if isinstance(loader, DataLoader):
+                require_no_batch_of_one(loader)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
         features, targets = batch
@@ -65,6 +68,7 @@ class RegressionModule(TaskModule):
 
     def _log_metrics(self, stage: str, predictions: torch.Tensor, targets: torch.Tensor) -> None:
         mse, r2 = self.stage_metrics[f"{stage}_mse"], self.stage_metrics[f"{stage}_r2"]
+        assert isinstance(mse, MeanSquaredError) and isinstance(r2, R2Score)
         mse.update(predictions, targets)
         r2.update(predictions.squeeze(1), targets.squeeze(1))
         self.log(f"{stage}/mse", mse, on_step=False, on_epoch=True, prog_bar=True)

@@ -44,7 +44,10 @@ class BundledRegressionTable:
         )
         features = standardise(features, train)
         targets = standardise(targets, train)
-        return tuple(TensorDataset(features[rows], targets[rows]) for rows in (train, val, test))
+        train_set, val_set, test_set = (
+            TensorDataset(features[rows], targets[rows]) for rows in (train, val, test)
+        )
+        return train_set, val_set, test_set
 
 
 @dataclass

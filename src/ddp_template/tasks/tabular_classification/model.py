@@ -54,7 +54,7 @@ def build_mlp(
 
 
 def _is_width(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 1
 
 
 def require_no_batch_of_one(loader: DataLoader) -> None:
@@ -62,7 +62,7 @@ def require_no_batch_of_one(loader: DataLoader) -> None:
     more than 1 value per channel"); every rank has the same shard size, so all would fail."""
     if loader.drop_last or not loader.batch_size:
         return
-    per_rank = len(loader.sampler)
+    per_rank = len(loader.sampler)  # type: ignore[arg-type]  # the samplers here are sized
     if per_rank % loader.batch_size == 1:
         raise ConfigError(
             "data.batch_size",

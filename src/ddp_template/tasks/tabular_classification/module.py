@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -44,7 +45,9 @@ class TabularClassificationModule(TaskModule):
 
     def on_train_start(self) -> None:
         if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.model.modules()):
-            require_no_batch_of_one(self.trainer.train_dataloader)
+            loader = self.trainer.train_dataloader
+            if isinstance(loader, DataLoader):
+                require_no_batch_of_one(loader)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
         features, labels = batch

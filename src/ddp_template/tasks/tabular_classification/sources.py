@@ -43,7 +43,10 @@ class BundledTable:
             len(targets), self.val_fraction, self.test_fraction, self.split_seed
         )
         features = standardise(features, train)
-        return tuple(TensorDataset(features[rows], targets[rows]) for rows in (train, val, test))
+        train_set, val_set, test_set = (
+            TensorDataset(features[rows], targets[rows]) for rows in (train, val, test)
+        )
+        return train_set, val_set, test_set
 
 
 @dataclass
