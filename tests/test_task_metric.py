@@ -4,6 +4,7 @@ refused before any worker starts. And any torch scheduler trains, resumes includ
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,27 @@ def test_one_cycle_resumes_with_more_epochs(tmp_path: Path) -> None:
     assert out["global_step"] == 2 * steps
     (scheduler,) = last_checkpoint(second)["lr_schedulers"]
     assert scheduler["total_steps"] == 2 * steps and scheduler["last_epoch"] == 2 * steps
+
+
+def test_the_report_shows_the_monitored_metric_of_each_job(tmp_path: Path) -> None:
+    """Two jobs of a sweep (their results files as a run writes them): the report's column
+    is the best validation value of the task's metric, named with its direction."""
+    from ddp_template.report import load_rows, markdown_table
+
+    for job, best in (("0", 0.41), ("1", 0.37)):
+        folder = tmp_path / job
+        (folder / ".hydra").mkdir(parents=True)
+        (folder / ".hydra" / "overrides.yaml").write_text(f"- seed={job}\n")
+        record = {
+            "samples_per_sec": 10.0,
+            "monitor": "val/mse",
+            "monitor_mode": "min",
+            "val/mse_best": best,
+            "val/mse": best + 0.01,
+        }
+        (folder / "results.json").write_text(json.dumps(record))
+    rows = load_rows(tmp_path)
+    assert [row["monitor_best"] for row in rows] == [0.41, 0.37]
+    table = markdown_table(rows)
+    assert "| best val/mse (min) |" in table.splitlines()[0]
+    assert "| 0.37 |" in table.splitlines()[3]

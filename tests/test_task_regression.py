@@ -49,7 +49,7 @@ def mean_squared_error(module: RegressionModule, dataset) -> float:
 def test_ddp_run_keeps_the_checkpoint_of_lowest_validation_error(
     run_dir: Path, tmp_path: Path
 ) -> None:
-    train(
+    proc = train(
         TASK,
         "strategy=ddp",
         "devices=2",
@@ -65,6 +65,10 @@ def test_ddp_run_keeps_the_checkpoint_of_lowest_validation_error(
     assert len(errors) == 6 and len(set(errors.values())) > 1, errors
     best_epoch = min(errors, key=errors.__getitem__)
     assert out["val/mse_best"] == pytest.approx(errors[best_epoch], rel=1e-6)
+    # The epoch lines and the summary report the same best, and say which way is better.
+    (last_line,) = [line for line in proc.stdout.splitlines() if "epoch 6/6" in line]
+    assert f"best val/mse {out['val/mse_best']:.4g}" in last_line
+    assert "(lower is better)" in proc.stdout
 
     best = out["checkpoints"]["best"]
     assert torch.load(best, weights_only=True, map_location="cpu")["epoch"] == best_epoch
