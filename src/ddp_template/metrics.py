@@ -42,8 +42,7 @@ def of_stages(metrics: Mapping[str, Any], stages: Iterable[str] = STAGES) -> dic
     return {k: float(v) for k, v in metrics.items() if k.startswith(prefixes)}
 
 
-def check_monitor(monitor: object, mode: object, logged: Iterable[str]) -> None:
-    """The task config's monitor is a metric its module logs, and its mode is min or max."""
+def check_mode(mode: object) -> None:
     if mode not in MODES:
         raise ConfigError(
             "task.monitor_mode",
@@ -51,6 +50,11 @@ def check_monitor(monitor: object, mode: object, logged: Iterable[str]) -> None:
             "min (lower is better, e.g. a loss or an error) or max (e.g. an accuracy)",
             "e.g. task.monitor_mode=max",
         )
+
+
+def check_monitor(monitor: object, mode: object, logged: Iterable[str]) -> None:
+    """The task config's monitor is a metric its module logs, and its mode is min or max."""
+    check_mode(mode)
     watchable = [key(stage, name) for stage in MONITORED_STAGES for name in logged]
     if monitor not in watchable:
         raise ConfigError(
@@ -64,6 +68,5 @@ def check_monitor(monitor: object, mode: object, logged: Iterable[str]) -> None:
 
 def direction(mode: str) -> str:
     """`${direction:${task.monitor_mode}}`: Optuna's `maximize`/`minimize` for max/min."""
-    if mode not in DIRECTIONS:
-        check_monitor(None, mode, ())
+    check_mode(mode)
     return DIRECTIONS[mode]
