@@ -12,7 +12,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from ddp_template.tasks.image_classification.module import ImageClassifier
+from ddp_template.tasks.image_classification.module import ImageClassificationModule
 
 LOSS_SCALE_FILE = "loss_scale.json"
 DISTRIBUTED_FILE = "distributed.json"
@@ -75,7 +75,7 @@ class DistributedProbe(L.Callback):
         )
 
 
-class ItemInStepClassifier(ImageClassifier):
+class ItemInStepClassifier(ImageClassificationModule):
     """The image classifier with a host sync planted in its training step: `.item()` on the
     loss makes the CPU wait for the GPU every step. debug=host_sync must name this line."""
 

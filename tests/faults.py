@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ddp_template.debug import debug_print
-from ddp_template.tasks.image_classification.module import ImageClassifier
+from ddp_template.tasks.image_classification.module import ImageClassificationModule
 
 
 class DesyncRank(L.Callback):
@@ -45,7 +45,7 @@ class SleepInStep(L.Callback):
             time.sleep(self.seconds)
 
 
-class UnusedBranchClassifier(ImageClassifier):
+class UnusedBranchClassifier(ImageClassificationModule):
     """The image classifier with an extra head that forward never calls."""
 
     def __init__(self, *args, **kwargs) -> None:

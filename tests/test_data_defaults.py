@@ -44,7 +44,7 @@ def has_small_stem(model: nn.Module) -> bool:
 def test_folder_of_small_images_trains_at_their_size_with_the_small_stem(tmp_path: Path) -> None:
     root = image_folder(tmp_path / "px32", side=32)
     cfg, datamodule, module = built("data=imagefolder", f"data.root={root}", "devices=2")
-    assert datamodule.model_inputs()["image_size"] == 32
+    assert datamodule.sizes()["image_size"] == 32
     assert has_small_stem(module.model)
     # Decoded from files: the cores a rank may use, less the one it trains on.
     assert cfg.data.num_workers == workers_per_rank(2, minimum=0)
@@ -56,14 +56,14 @@ def test_folder_of_small_images_trains_at_their_size_with_the_small_stem(tmp_pat
 def test_folder_of_large_images_trains_at_224_px_with_the_imagenet_stem(tmp_path: Path) -> None:
     root = image_folder(tmp_path / "px300", side=300, per_class=1)
     _, datamodule, module = built("data=imagefolder", f"data.root={root}")
-    assert datamodule.model_inputs()["image_size"] == 224
+    assert datamodule.sizes()["image_size"] == 224
     assert module.model.conv1.kernel_size == (7, 7) and not has_small_stem(module.model)
 
 
 def test_a_size_set_by_hand_wins_and_the_stem_follows_it(tmp_path: Path) -> None:
     root = image_folder(tmp_path / "px32", side=32, per_class=1)
     _, datamodule, module = built("data=imagefolder", f"data.root={root}", "data.image_size=128")
-    assert datamodule.model_inputs()["image_size"] == 128
+    assert datamodule.sizes()["image_size"] == 128
     assert not has_small_stem(module.model)
 
 

@@ -80,9 +80,11 @@ def test_ddp_test_accuracy_equals_single_process_accuracy(ddp_run: Path) -> None
     out = results(ddp_run)
     cfg = OmegaConf.create(out["config"])
     datamodule, _ = build_task(cfg)
-    from ddp_template.tasks.image_classification.module import ImageClassifier
+    from ddp_template.tasks.image_classification.module import ImageClassificationModule
 
-    module = ImageClassifier.load_from_checkpoint(out["checkpoints"]["best"], weights_only=True)
+    module = ImageClassificationModule.load_from_checkpoint(
+        out["checkpoints"]["best"], weights_only=True
+    )
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
     (single,) = trainer.test(module, datamodule=datamodule, verbose=False)
     assert single["test/acc"] == pytest.approx(out["test/acc"], abs=1e-7)

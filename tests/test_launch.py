@@ -64,7 +64,7 @@ def test_optuna_search_over_the_learning_rate(tmp_path: Path) -> None:
     best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     trials = [results(j) for j in job_folders(tmp_path / "multirun")]
     assert len(trials) == 3 and all(t["world_size"] == 2 for t in trials)
-    assert best["best_value"] == max(t["val/acc"] for t in trials)
+    assert best["best_value"] == max(t["val/acc_best"] for t in trials)
     best_lr = best["best_params"]["task.module.optimizer.lr"]
     assert best_lr in [t["config"]["task"]["module"]["optimizer"]["lr"] for t in trials]
 

@@ -180,11 +180,13 @@ def test_each_comm_hook_runs_on_gloo_and_is_counted(name: str, one_rank_group) -
 
 
 def test_channels_last_model_and_inputs() -> None:
-    from ddp_template.tasks.image_classification.module import ImageClassifier
+    from ddp_template.tasks.image_classification.module import ImageClassificationModule
 
     torch.manual_seed(0)
-    plain = ImageClassifier({"arch": "resnet18", "small_input": True}, 10, 3)
-    fast = ImageClassifier({"arch": "resnet18", "small_input": True, "channels_last": True}, 10, 3)
+    plain = ImageClassificationModule({"arch": "resnet18", "small_input": True}, 10, 3)
+    fast = ImageClassificationModule(
+        {"arch": "resnet18", "small_input": True, "channels_last": True}, 10, 3
+    )
     fast.load_state_dict(plain.state_dict())
     conv = fast.model.conv1.weight
     assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()

@@ -29,7 +29,8 @@ def test_default_run_shortened(run_dir: Path, tmp_path: Path) -> None:
         "global batch",
         "precision",
         "throughput",
-        "test accuracy",
+        "test/acc",
+        "best val/acc",
         str(run_dir),
     ):
         assert line in proc.stdout

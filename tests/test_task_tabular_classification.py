@@ -13,8 +13,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_template.errors import ConfigError
 from ddp_template.tasks.tabular_classification.datamodule import TabularClassificationDataModule
-from ddp_template.tasks.tabular_classification.model import build_mlp
-from ddp_template.tasks.tabular_classification.module import _require_no_batch_of_one
+from ddp_template.tasks.tabular_classification.model import build_mlp, require_no_batch_of_one
 
 TASK = "task=tabular_classification"
 QUIET = ["trainer.enable_model_summary=false", "logger=none"]
@@ -32,8 +31,8 @@ def test_splits_are_standardised_with_training_rows_only(
     test_x, _ = datamodule.test_set.tensors
     sizes = [len(s) for s in (datamodule.train_set, datamodule.val_set, datamodule.test_set)]
     assert sum(sizes) == rows and sizes[2] == round(rows * 0.2)
-    assert datamodule.in_channels == train_x.shape[1] == features
-    assert datamodule.num_classes == classes == len(train_y.unique())
+    assert datamodule.sizes() == {"num_features": features, "num_classes": classes}
+    assert train_x.shape[1] == features and len(train_y.unique()) == classes
     torch.testing.assert_close(train_x.mean(0), torch.zeros(features), atol=1e-5, rtol=0)
     torch.testing.assert_close(train_x.std(0), torch.ones(features), atol=1e-5, rtol=0)
     # The held-out rows were scaled with the training statistics, not their own.
@@ -50,10 +49,10 @@ def test_batch_norm_layers_are_what_sync_batchnorm_converts() -> None:
 def test_a_training_batch_of_one_sample_is_refused() -> None:
     data = torch.utils.data.TensorDataset(torch.zeros(455, 3))
     sampler = DistributedSampler(data, num_replicas=2, rank=0)  # 228 samples per rank
-    _require_no_batch_of_one(DataLoader(data, batch_size=32, sampler=sampler))
+    require_no_batch_of_one(DataLoader(data, batch_size=32, sampler=sampler))
     with pytest.raises(ConfigError, match="data.batch_size=227"):
-        _require_no_batch_of_one(DataLoader(data, batch_size=227, sampler=sampler))
-    _require_no_batch_of_one(DataLoader(data, batch_size=227, sampler=sampler, drop_last=True))
+        require_no_batch_of_one(DataLoader(data, batch_size=227, sampler=sampler))
+    require_no_batch_of_one(DataLoader(data, batch_size=227, sampler=sampler, drop_last=True))
 
 
 @pytest.mark.parametrize(

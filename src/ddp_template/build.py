@@ -20,12 +20,13 @@ from ddp_template.trackers import log_config
 
 
 def build_task(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:
-    """The task's DataModule (no data read yet) and LightningModule, sized to the data."""
+    """The task's DataModule (no data read yet) and LightningModule, sized to the data by
+    the DataModule's `sizes()` (input width, number of classes, ...)."""
     try:
         datamodule = instantiate(cfg.task.datamodule, **cfg.data, seed=cfg.seed)
         # Plain containers (not DictConfig) in hyper-parameters keep checkpoints loadable
         # with torch.load(weights_only=True).
-        module = instantiate(cfg.task.module, **datamodule.model_inputs(), _convert_="all")
+        module = instantiate(cfg.task.module, **datamodule.sizes(), _convert_="all")
     except InstantiationException as err:
         if isinstance(err.__cause__, ConfigError):
             raise err.__cause__ from None

@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ddp_template.build import build_task, build_trainer
 from ddp_template.errors import ConfigError, refusal_as_config_error
+from ddp_template.metrics import check_monitor
 from ddp_template.schema import as_override
 from ddp_template.schema import parameter_default as _default
 
@@ -32,6 +33,7 @@ def check_by_building(cfg: DictConfig) -> None:
     with _no_traces():
         with _refusals(cfg, "data", "task.module"), torch.device("meta"):
             _, module = build_task(cfg)
+        check_monitor(cfg.task.get("monitor"), cfg.task.get("monitor_mode"), module.metrics)
         with _refusals(cfg, "trainer", "strategy", "callbacks", *_TOP_LEVEL):
             trainer = build_trainer(cfg, loggers=[])
         with _refusals(cfg, "task.module.optimizer", "task.module.scheduler"):

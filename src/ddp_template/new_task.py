@@ -1,18 +1,16 @@
 """`python -m ddp_template.new_task NAME [--from TASK] [--root DIR]`: a new task, copied.
 
-Renders the Jinja templates of an existing task (`templates/task/<TASK>/`) under a new
-name: the task's package, its config (so that `task=NAME` selects it) and its tests, with
-every class name, config target and import renamed. A template folder holds
+Copies an existing task of the project, built-in or made by this command before:
 
-    package/*.jinja   -> src/ddp_template/tasks/NAME/*
-    config.yaml.jinja -> conf/task/NAME.yaml
-    test.py.jinja     -> tests/test_task_NAME.py
+    src/ddp_template/tasks/TASK/   -> src/ddp_template/tasks/NAME/
+    conf/task/TASK.yaml            -> conf/task/NAME.yaml      (so that `task=NAME` selects it)
+    tests/test_task_TASK.py        -> tests/test_task_NAME.py  (when the task has one)
 
-and is rendered with `task` (NAME), `datamodule_class` and `module_class`. Rendered with a
-task's own name and class names, a template gives back that task's files exactly (a test
-checks it), so a copy starts from the task as it is today.
+and renames, in every copied file, the package (`TASK` -> `NAME`) and the class names
+(`<Task>Module`, `<Task>DataModule` and any other class starting with the task's CamelCase
+name). Nothing else changes: the copy starts from the task as it is today.
 
-Every check runs before anything is written. The files are rendered into a staging folder
+Every check runs before anything is written. The files are written into a staging folder
 inside the project first, then moved into place (renames on one file system); if a move
 fails, what was already moved is removed again.
 """
@@ -27,67 +25,72 @@ import re
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Callable
 from importlib.machinery import PathFinder
-from pathlib import Path, PurePosixPath
-
-import jinja2
+from pathlib import Path
 
 from ddp_template.errors import ConfigError, UserFacingError
 
-TEMPLATES = Path(__file__).resolve().parent / "templates" / "task"
 # The checkout this package lives in (as for train.py's conf/).
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_SOURCE = "image_classification"
 TASKS_DIR = Path("src", "ddp_template", "tasks")
+CONFIG_DIR = Path("conf", "task")
+TESTS_DIR = Path("tests")
 NAME_PATTERN = re.compile(r"[a-z][a-z0-9_]*")
 COMMAND = "python -m ddp_template.new_task"
 
 
-@dataclass(frozen=True)
-class TaskNames:
-    """The names a template is rendered with."""
-
-    task: str
-    datamodule_class: str
-    module_class: str
-
-    @classmethod
-    def for_new_task(cls, task: str) -> TaskNames:
-        prefix = "".join(part.capitalize() for part in task.split("_"))
-        return cls(task, f"{prefix}DataModule", f"{prefix}Module")
+def class_prefix(task: str) -> str:
+    """`image_classification` -> `ImageClassification`, the start of the task's class names."""
+    return "".join(part.capitalize() for part in task.split("_"))
 
 
-def available_sources() -> list[str]:
-    return sorted(p.name for p in TEMPLATES.iterdir() if p.is_dir())
-
-
-def destination(template: PurePosixPath, task: str) -> Path:
-    """Where a template file of a task's template folder lands, relative to the project."""
-    if template.parts[0] == "package":
-        return TASKS_DIR.joinpath(task, *template.parts[1:]).with_suffix("")
-    if template == PurePosixPath("config.yaml.jinja"):
-        return Path("conf", "task", f"{task}.yaml")
-    if template == PurePosixPath("test.py.jinja"):
-        return Path("tests", f"test_task_{task}.py")
-    raise RuntimeError(f"{template}: not a file a task template can hold")
-
-
-def render(source: str, names: TaskNames) -> dict[Path, str]:
-    """Every file of the new task (path relative to the project -> text); writes nothing."""
-    folder = TEMPLATES / source
-    environment = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(folder),
-        undefined=jinja2.StrictUndefined,
-        keep_trailing_newline=True,
-        autoescape=False,
+def available_sources(root: Path = PROJECT_ROOT) -> list[str]:
+    """Tasks of the project: a package under src/ddp_template/tasks/ and a config."""
+    if not (root / TASKS_DIR).is_dir():
+        return []
+    return sorted(
+        p.name
+        for p in (root / TASKS_DIR).iterdir()
+        if (p / "__init__.py").is_file() and (root / CONFIG_DIR / f"{p.name}.yaml").is_file()
     )
-    files = {}
-    for path in sorted(folder.rglob("*.jinja")):
-        template = PurePosixPath(path.relative_to(folder).as_posix())
-        text = environment.get_template(str(template)).render(vars(names))
-        files[destination(template, names.task)] = text
-    return files
+
+
+def task_files(source: str, name: str, root: Path) -> dict[Path, Path]:
+    """The files of task `source` -> where their copies for task `name` go (relative to
+    the project); nothing read yet."""
+    package = TASKS_DIR / source
+    copies = {
+        p.relative_to(root): TASKS_DIR / name / p.relative_to(root / package)
+        for p in sorted((root / package).rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+    copies[CONFIG_DIR / f"{source}.yaml"] = CONFIG_DIR / f"{name}.yaml"
+    test = TESTS_DIR / f"test_task_{source}.py"
+    if (root / test).is_file():
+        copies[test] = TESTS_DIR / f"test_task_{name}.py"
+    return copies
+
+
+def renamer(source: str, name: str) -> Callable[[str], str]:
+    """Text -> text with the package and the class names of `source` renamed to `name`'s."""
+    package = re.compile(rf"\b{re.escape(source)}\b")
+    classes = re.compile(rf"\b{re.escape(class_prefix(source))}(?=[A-Z]|\b)")
+
+    def rename(text: str) -> str:
+        return classes.sub(class_prefix(name), package.sub(name, text))
+
+    return rename
+
+
+def copy_of(source: str, name: str, root: Path) -> dict[Path, str]:
+    """Every file of the new task (path relative to the project -> text); writes nothing."""
+    rename = renamer(source, name)
+    return {
+        target: rename((root / relative).read_text(encoding="utf-8"))
+        for relative, target in task_files(source, name, root).items()
+    }
 
 
 def check_name(name: str) -> None:
@@ -125,14 +128,14 @@ def _is_module(name: str) -> bool:
     return PathFinder.find_spec(name, [p for p in sys.path if p not in here]) is not None
 
 
-def check_source(source: str) -> None:
-    sources = available_sources()
+def check_source(source: str, root: Path) -> None:
+    sources = available_sources(root)
     if source not in sources:
         raise ConfigError(
             "--from",
             source,
-            f"a task to copy; the tasks available are {', '.join(sources)}",
-            f"e.g. `--from {DEFAULT_SOURCE}` (the default)",
+            f"a task of the project to copy; the tasks are {', '.join(sources) or 'none'}",
+            f"e.g. `--from {sources[0] if sources else DEFAULT_SOURCE}`",
         )
 
 
@@ -161,7 +164,7 @@ def check_new(files: dict[Path, str], root: Path, name: str) -> None:
 
 
 def write_all(files: dict[Path, str], root: Path) -> None:
-    """Renders into a staging folder, then moves every file into place; all or nothing."""
+    """Writes into a staging folder, then moves every file into place; all or nothing."""
     staging = Path(tempfile.mkdtemp(prefix=".new_task-", dir=root))
     moved: list[Path] = []
     made: list[Path] = []
@@ -206,9 +209,9 @@ def _move(source: Path, target: Path) -> None:
 def create_task(name: str, source: str = DEFAULT_SOURCE, root: Path = PROJECT_ROOT) -> list[Path]:
     """Checks everything, then writes the new task; returns its files (relative to root)."""
     check_name(name)
-    check_source(source)
     check_root(root)
-    files = render(source, TaskNames.for_new_task(name))
+    check_source(source, root)
+    files = copy_of(source, name, root)
     check_new(files, root, name)
     write_all(files, root)
     return list(files)
@@ -225,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         dest="source",
         default=DEFAULT_SOURCE,
         metavar="TASK",
-        help=f"the task to copy (default: {DEFAULT_SOURCE}; one of {', '.join(available_sources())})",
+        help=f"the task to copy: any task of the project (default: {DEFAULT_SOURCE})",
     )
     parser.add_argument(
         "--root",
@@ -250,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     for path in files:
         print(f"  {path.as_posix()}")
     print(f"Train it:  python train.py task={args.name} strategy=ddp devices=2")
-    print(f"Test it:   python -m pytest tests/test_task_{args.name}.py")
+    test = TESTS_DIR / f"test_task_{args.name}.py"
+    if test in files:
+        print(f"Test it:   python -m pytest {test.as_posix()}")
     return 0
 
 

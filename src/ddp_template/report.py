@@ -22,8 +22,9 @@ from typing import Any
 import yaml
 
 from ddp_template.errors import UserFacingError
+from ddp_template.metrics import best_key
+from ddp_template.results import RESULTS_FILE
 
-RESULTS_FILE = "results.json"
 OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
 OUTPUTS = ("report.md", "report.csv", "report.png")
 
@@ -38,6 +39,8 @@ CSV_COLUMNS = (
     "memory_kind",
     "speedup",
     "memory_change",
+    "monitor",
+    "monitor_best",
     "precision_used",
     "world_size",
     "bucket_cap_mb",
@@ -65,8 +68,8 @@ def load_rows(
     load changes while the sweep runs."""
     folder = Path(folder)
     jobs = _job_dirs(folder)
-    measured = [(job, _read_results(job)) for job in jobs]
-    measured = [(job, result) for job, result in measured if result is not None]
+    read = {job: _read_results(job) for job in jobs}
+    measured = [(job, result) for job, result in read.items() if result is not None]
     if not measured:
         raise NoResults(_no_results_message(folder, jobs))
     overrides = {job: _overrides(job) for job, _ in measured}
@@ -86,6 +89,7 @@ _MEASURED = (
     "step_time_p90_s",
     "data_wait_fraction",
     "peak_memory_mb",
+    "monitor_best",
 )
 
 
@@ -216,6 +220,10 @@ def _row(job: Path, result: dict[str, Any], name: str, overrides: list[str]) -> 
         "memory_kind": result.get("memory_kind"),
         "speedup": None,
         "memory_change": None,
+        # The task's own measure of the job: the best validation value of its monitored metric.
+        "monitor": result.get("monitor"),
+        "monitor_best": result.get(best_key(result["monitor"])) if "monitor" in result else None,
+        "monitor_mode": result.get("monitor_mode"),
         "precision_used": result.get("precision_used"),
         "world_size": result.get("world_size"),
         "bucket_cap_mb": ddp.get("bucket_cap_mb"),
@@ -259,14 +267,28 @@ def memory_label(rows: list[dict[str, Any]]) -> str:
     return MEMORY_KINDS.get(kinds.pop(), "peak") if len(kinds) == 1 else "peak"
 
 
+def monitor_label(rows: list[dict[str, Any]]) -> str | None:
+    """`best val/acc (max)` when the jobs measured one monitored metric, else None (a
+    benchmark has no validation, and jobs of different tasks do not compare)."""
+    monitors = {(row["monitor"], row["monitor_mode"]) for row in rows}
+    if len(monitors) != 1 or all(row["monitor_best"] is None for row in rows):
+        return None
+    ((monitor, mode),) = monitors
+    return f"best {monitor} ({mode})"
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     memory = memory_label(rows)
+    monitor = monitor_label(rows)
     header = (
         "| setting | samples/s | per device | step median (ms) | step p90 (ms) "
-        f"| loader wait | memory (MiB, {memory}) | speed-up | memory change | precision |"
+        f"| loader wait | memory (MiB, {memory}) | speed-up | memory change |"
+        + (f" {monitor} |" if monitor else "")
+        + " precision |"
     )
-    lines = [header, "|" + "---|" * 10]
+    lines = [header, "|" + "---|" * (11 if monitor else 10)]
     for row in rows:
+        task_value = [_number(row["monitor_best"], ".4g")] if monitor else []
         name = f"**{row['setting']}**" if row["baseline"] else row["setting"]
         lines.append(
             "| "
@@ -281,6 +303,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                     _number(row["peak_memory_mb"], ",.0f"),
                     _number(row["speedup"], ".2f", prefix="x"),
                     _number(row["memory_change"], "+.0%"),
+                    *task_value,
                     row["precision_used"] or "n/a",
                 ]
             )

@@ -12,6 +12,8 @@ import time
 
 from omegaconf import OmegaConf
 
+from ddp_template import metrics
+from ddp_template.topology import cores_per_process
 from ddp_template.world import started_by
 
 STAMP_FORMAT = "%Y-%m-%d/%H-%M-%S"
@@ -81,8 +83,7 @@ def workers_per_rank(processes_per_node: object, minimum: int = 1) -> int:
     """DataLoader workers for one rank: the cores it may use, less the one it trains on
     (`${workers_per_rank:${devices},0}` allows none when a rank has a single core)."""
     processes = processes_per_node if isinstance(processes_per_node, int) else 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(minimum, (cores or 1) // max(1, processes) - 1)
+    return max(minimum, cores_per_process(processes) - 1)
 
 
 def on_cuda(accelerator: str) -> bool:
@@ -110,3 +111,4 @@ def register() -> None:
     OmegaConf.register_new_resolver(
         "slurm_cpus_per_task", slurm.cpus_per_task, use_cache=True, replace=True
     )
+    OmegaConf.register_new_resolver("direction", metrics.direction, replace=True)

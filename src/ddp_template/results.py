@@ -1,4 +1,8 @@
-"""What a run leaves behind: results.json, the plain weights, and the summary it prints."""
+"""What a run leaves behind: results.json, the plain weights, and the summary it prints.
+
+torch and Lightning are imported where they are used: `report.py` reads results files
+with this module's names and should start without them.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +12,15 @@ import platform
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning as L
-import torch
-from omegaconf import DictConfig, OmegaConf
-from rich.console import Console
-from rich.table import Table
+from ddp_template import metrics as task_metrics
+from ddp_template.topology import available_cores, global_batch_size, global_batch_text
 
-from ddp_template.comm_hooks import COMM_HOOKS
-from ddp_template.memory import memory_kind
+if TYPE_CHECKING:
+    import lightning as L
+    import torch
+    from omegaconf import DictConfig
 
 RESULTS_FILE = "results.json"
 WEIGHTS_FILE = "model.pt"
@@ -30,16 +33,25 @@ def collect_results(
     test_metrics: dict[str, float],
     weights: Path,
 ) -> dict[str, Any]:
-    """Rank 0's record of the run. Metric keys keep Lightning's names (`test/acc`)."""
+    """Rank 0's record of the run. The task's metrics keep Lightning's names (`val/acc`,
+    `test/acc`: the last epoch's training and validation values, the test values);
+    `<monitor>_best` is the best validation value the checkpoint callback saw."""
+    from omegaconf import OmegaConf
+
+    from ddp_template.memory import memory_kind
+
     metrics = fit_metrics
+    monitor = cfg.task.monitor
     per_device_batch = int(cfg.data.batch_size)
     accumulation = int(cfg.trainer.accumulate_grad_batches)
     peaks = _per_rank(metrics, "perf/peak_mem_mb/rank_")
     reserved = _per_rank(metrics, "perf/peak_reserved_mb/rank_")
     return {
-        **test_metrics,
-        "val/acc": metrics.get("val/acc"),
-        "best_val": _best_score(trainer),
+        "monitor": monitor,
+        "monitor_mode": cfg.task.monitor_mode,
+        task_metrics.best_key(monitor): _best_score(trainer),
+        **task_metrics.of_stages(metrics, ("train", "val")),
+        **task_metrics.of_stages(test_metrics, ("test",)),
         "samples_per_sec": metrics.get("perf/samples_per_sec"),
         "samples_per_sec_per_device": metrics.get("perf/samples_per_sec_per_device"),
         "peak_memory_mb": max(peaks.values()) if peaks else None,
@@ -65,7 +77,7 @@ def collect_results(
         "ddp": _ddp_settings(metrics),
         "batch_size_per_device": per_device_batch,
         "accumulate_grad_batches": accumulation,
-        "global_batch_size": per_device_batch * trainer.world_size * accumulation,
+        "global_batch_size": global_batch_size(per_device_batch, trainer.world_size, accumulation),
         "epochs": trainer.current_epoch,
         "global_step": trainer.global_step,
         "checkpoints": _checkpoints(trainer),
@@ -79,9 +91,12 @@ def collect_results(
 
 def machine(device: torch.device) -> dict[str, Any]:
     """What the figures were measured on, so that a results file speaks for itself."""
+    import lightning as L
+    import torch
+
     return {
         "cpu": _cpu_name(),
-        "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_cores": available_cores(),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "torch": torch.__version__,
         "lightning": L.__version__,
@@ -112,11 +127,15 @@ def _per_rank(metrics: dict[str, float], prefix: str) -> dict[str, float]:
 
 
 def _ddp_settings(metrics: dict[str, float]) -> dict[str, Any] | None:
-    settings = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("ddp/")}
-    if not settings:
+    from ddp_template.comm_hooks import COMM_HOOKS
+
+    logged = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("ddp/")}
+    if not logged:
         return None
     flags = ("gradient_as_bucket_view", "static_graph", "find_unused_parameters")
-    settings = {key: bool(value) if key in flags else value for key, value in settings.items()}
+    settings: dict[str, Any] = {
+        key: bool(value) if key in flags else value for key, value in logged.items()
+    }
     if "comm_hook" in settings:
         settings["comm_hook"] = COMM_HOOKS[int(settings["comm_hook"])]
         settings["comm_hook_calls"] = int(settings["comm_hook_calls"])
@@ -130,8 +149,10 @@ def _best_score(trainer: L.Trainer) -> float | None:
 
 
 def _checkpoints(trainer: L.Trainer) -> dict[str, str | None]:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
     callback = trainer.checkpoint_callback
-    if callback is None:
+    if not isinstance(callback, ModelCheckpoint):
         return {"best": None, "last": None}
     return {"best": callback.best_model_path or None, "last": callback.last_model_path or None}
 
@@ -147,6 +168,8 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
 def export_weights(model: torch.nn.Module, path: Path) -> None:
     """The bare model's state_dict, on the CPU: no `module.`/`model.` prefixes, loadable
     anywhere with `torch.load(path, weights_only=True)`."""
+    import torch
+
     state = {key: value.detach().cpu() for key, value in model.state_dict().items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -155,31 +178,48 @@ def export_weights(model: torch.nn.Module, path: Path) -> None:
 
 
 def print_summary(results: dict[str, Any]) -> None:
+    """The run-summary table, printed once per job by the launching process."""
+    from rich.console import Console
+    from rich.table import Table
+
     table = Table(title="Run summary", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
+    for name, value in summary_rows(results):
+        table.add_row(name, value)
+    Console().print(table)
+
+
+def summary_rows(results: dict[str, Any]) -> list[tuple[str, str]]:
     rate = results.get("samples_per_sec")
-    rows = [
+    monitor = results["monitor"]
+    test_metric = task_metrics.key("test", task_metrics.name_of(monitor))
+    return [
         (
             "devices",
             f"{results['devices_per_node']} x {results['num_nodes']} node(s), {results['accelerator']}",
         ),
-        ("world size", results["world_size"]),
-        ("batch per device", results["batch_size_per_device"]),
+        ("world size", str(results["world_size"])),
+        ("batch per device", str(results["batch_size_per_device"])),
         (
             "global batch",
-            f"{results['global_batch_size']} (= {results['batch_size_per_device']} x "
-            f"{results['world_size']} ranks x {results['accumulate_grad_batches']} accumulation)",
+            global_batch_text(
+                results["batch_size_per_device"],
+                results["world_size"],
+                results["accumulate_grad_batches"],
+            ),
         ),
         ("precision", _precision_text(results)),
         ("throughput", f"{rate:,.0f} samples/s" if rate else "n/a (too few batches)"),
         ("peak memory", _memory_text(results)),
-        ("test accuracy", _percent(results.get("test/acc"))),
-        ("output folder", results["output_dir"]),
+        (
+            f"best {monitor}",
+            f"{_value(results.get(task_metrics.best_key(monitor)))} "
+            f"({'higher' if results['monitor_mode'] == 'max' else 'lower'} is better)",
+        ),
+        (test_metric, _value(results.get(test_metric))),
+        ("output folder", str(results["output_dir"])),
     ]
-    for name, value in rows:
-        table.add_row(name, str(value))
-    Console().print(table)
 
 
 def _precision_text(results: dict[str, Any]) -> str:
@@ -195,5 +235,5 @@ def _memory_text(results: dict[str, Any]) -> str:
     return f"{peak:,.0f} MiB ({kind}, max over ranks)"
 
 
-def _percent(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:.2f}%"
+def _value(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4g}"

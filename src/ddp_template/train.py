@@ -178,8 +178,9 @@ def _share_cpu_cores(local_processes: int) -> None:
         return
     import torch
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    torch.set_num_threads(max(1, (cores or 1) // max(1, local_processes)))
+    from ddp_template.topology import cores_per_process
+
+    torch.set_num_threads(cores_per_process(local_processes))
 
 
 def _configure_console_logging() -> None:

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_template.callbacks.ddp_settings import read_ddp_settings
 from ddp_template.resolvers import workers_per_rank
+from ddp_template.topology import available_cores, global_batch_text
 
 
 class StartupReport(L.Callback):
@@ -45,17 +46,14 @@ def startup_rows(trainer: L.Trainer) -> tuple[list[tuple[str, str]], list[str]]:
     world = trainer.world_size
     workers = getattr(loader, "num_workers", 0)
     local_ranks = trainer.num_devices
-    cores = _cores()
+    cores = available_cores()
     rows = [
         ("world size", f"{world} = {trainer.num_nodes} node(s) x {local_ranks} device(s)"),
         ("device", str(trainer.strategy.root_device)),
         ("batch per device", str(batch)),
         (
             "global batch",
-            f"{batch * world * accumulation} (= {batch} x {world} ranks x {accumulation} "
-            "accumulation)"
-            if batch
-            else "n/a",
+            global_batch_text(batch, world, accumulation) if batch else "n/a",
         ),
         ("precision used", str(trainer.precision)),
         ("backend", _backend(trainer)),
@@ -123,12 +121,6 @@ def oversubscription_warning(local_ranks: int, workers: int, cores: int) -> str 
         f"{local_ranks} rank(s) x (1 + {workers} loader workers) = {processes} processes share "
         f"{cores} core(s): they compete with training. Try data.num_workers={fair}."
     )
-
-
-def _cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def _backend(trainer: L.Trainer) -> str:

@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-import lightning as L
 import torch
 from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from ddp_template.module import TaskModule
+from ddp_template.optim import OptimizerFactory, SchedulerFactory
 from ddp_template.tasks.image_classification.model import build_resnet, describe_stem
 
-OptimizerFactory = Callable[..., torch.optim.Optimizer]
-SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
 
-
-class ImageClassifier(L.LightningModule):
+class ImageClassificationModule(TaskModule):
     """Cross-entropy classifier. Metrics are torchmetrics objects: their states are summed
     over ranks at the end of an epoch, so they are exact under DDP."""
+
+    metrics = ("loss", "acc")
 
     def __init__(
         self,
@@ -29,10 +28,9 @@ class ImageClassifier(L.LightningModule):
         image_size: int | None = None,
         optimizer: OptimizerFactory | None = None,
         scheduler: SchedulerFactory | None = None,
+        scheduler_interval: str = "step",
     ) -> None:
-        super().__init__()
-        # Optimizer and scheduler factories are code, not hyper-parameters: keeping them out
-        # lets checkpoints load with torch.load(weights_only=True).
+        super().__init__(optimizer, scheduler, scheduler_interval)
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.model = build_resnet(
             num_classes=num_classes, in_channels=in_channels, image_size=image_size, **model
@@ -45,8 +43,6 @@ class ImageClassifier(L.LightningModule):
         self.memory_format = (
             torch.channels_last if model.get("channels_last") else torch.contiguous_format
         )
-        self.optimizer_factory = optimizer
-        self.scheduler_factory = scheduler
         self.criterion = nn.CrossEntropyLoss()
         self.train_loss = MeanMetric()
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
@@ -81,16 +77,3 @@ class ImageClassifier(L.LightningModule):
         acc.update(logits, labels)
         self.log(f"{stage}/loss", loss_metric, on_step=False, on_epoch=True, prog_bar=True)
         self.log(f"{stage}/acc", acc, on_step=False, on_epoch=True, prog_bar=True)
-
-    def configure_optimizers(self):
-        if self.optimizer_factory is None:
-            raise RuntimeError("training needs an optimizer: set task.module.optimizer")
-        optimizer = self.optimizer_factory(self.parameters())
-        if self.scheduler_factory is None:
-            return optimizer
-        total_steps = int(self.trainer.estimated_stepping_batches)
-        scheduler = self.scheduler_factory(optimizer, total_steps=total_steps)
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
-        }

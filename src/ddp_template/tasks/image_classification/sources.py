@@ -17,28 +17,10 @@ import torch
 from torch.utils.data import Dataset, Subset, TensorDataset
 from torchvision import datasets, transforms
 
+from ddp_template.data import Splits, check_fraction, split_indices
 from ddp_template.errors import ConfigError
 
-Splits = tuple[Dataset, Dataset, Dataset]
-
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp"}
-
-
-def split_indices(
-    size: int, val_fraction: float, test_fraction: float, seed: int
-) -> tuple[list[int], list[int], list[int]]:
-    """A fixed random split, the same on every rank (it depends on `seed` only)."""
-    order = torch.randperm(size, generator=torch.Generator().manual_seed(seed)).tolist()
-    n_test = round(size * test_fraction)
-    n_val = round(size * val_fraction)
-    return order[n_test + n_val :], order[n_test : n_test + n_val], order[:n_test]
-
-
-def _check_fraction(key: str, value: float) -> None:
-    if not 0.0 < value < 1.0:
-        raise ConfigError(
-            f"data.{key}", value, "a fraction between 0 and 1", f"e.g. data.{key}=0.1"
-        )
 
 
 @dataclass
@@ -55,8 +37,8 @@ class Digits:
     input_size = 8
 
     def __post_init__(self) -> None:
-        _check_fraction("val_fraction", self.val_fraction)
-        _check_fraction("test_fraction", self.test_fraction)
+        check_fraction("val_fraction", self.val_fraction)
+        check_fraction("test_fraction", self.test_fraction)
 
     def describe_input(self) -> str:
         return "8x8 px, 1 channel (scikit-learn's digits)"
@@ -114,7 +96,7 @@ class CIFAR10:
     input_size = 32
 
     def __post_init__(self) -> None:
-        _check_fraction("val_fraction", self.val_fraction)
+        check_fraction("val_fraction", self.val_fraction)
         folder = Path(self.root) / datasets.CIFAR10.base_folder
         if not self.download and not folder.is_dir():
             raise ConfigError(

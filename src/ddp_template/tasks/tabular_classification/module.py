@@ -2,43 +2,37 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-import lightning as L
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from ddp_template.errors import ConfigError
-from ddp_template.tasks.tabular_classification.model import build_mlp
-
-OptimizerFactory = Callable[..., torch.optim.Optimizer]
-SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
+from ddp_template.module import TaskModule
+from ddp_template.optim import OptimizerFactory, SchedulerFactory
+from ddp_template.tasks.tabular_classification.model import build_mlp, require_no_batch_of_one
 
 
-class TabularClassificationModule(L.LightningModule):
+class TabularClassificationModule(TaskModule):
     """Cross-entropy classifier. Metrics are torchmetrics objects: their states are summed
     over ranks at the end of an epoch, so they are exact under DDP."""
+
+    metrics = ("loss", "acc")
 
     def __init__(
         self,
         model: dict[str, Any],
         num_classes: int,
-        in_channels: int,
+        num_features: int,
         optimizer: OptimizerFactory | None = None,
         scheduler: SchedulerFactory | None = None,
+        scheduler_interval: str = "step",
     ) -> None:
-        super().__init__()
-        # Optimizer and scheduler factories are code, not hyper-parameters: keeping them out
-        # lets checkpoints load with torch.load(weights_only=True).
+        super().__init__(optimizer, scheduler, scheduler_interval)
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
-        # in_channels: the number of feature columns (the DataModule's name for input width).
-        self.model = build_mlp(num_features=in_channels, num_classes=num_classes, **model)
-        self.optimizer_factory = optimizer
-        self.scheduler_factory = scheduler
+        self.model = build_mlp(num_features=num_features, num_classes=num_classes, **model)
         self.criterion = nn.CrossEntropyLoss()
         self.train_loss = MeanMetric()
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
@@ -51,7 +45,9 @@ class TabularClassificationModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.model.modules()):
-            _require_no_batch_of_one(self.trainer.train_dataloader)
+            loader = self.trainer.train_dataloader
+            if isinstance(loader, DataLoader):
+                require_no_batch_of_one(loader)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
         features, labels = batch
@@ -77,32 +73,3 @@ class TabularClassificationModule(L.LightningModule):
         acc.update(logits, labels)
         self.log(f"{stage}/loss", loss_metric, on_step=False, on_epoch=True, prog_bar=True)
         self.log(f"{stage}/acc", acc, on_step=False, on_epoch=True, prog_bar=True)
-
-    def configure_optimizers(self):
-        if self.optimizer_factory is None:
-            raise RuntimeError("training needs an optimizer: set task.module.optimizer")
-        optimizer = self.optimizer_factory(self.parameters())
-        if self.scheduler_factory is None:
-            return optimizer
-        total_steps = int(self.trainer.estimated_stepping_batches)
-        scheduler = self.scheduler_factory(optimizer, total_steps=total_steps)
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
-        }
-
-
-def _require_no_batch_of_one(loader: DataLoader) -> None:
-    """Batch norm cannot normalise a training batch of one sample (torch raises "Expected
-    more than 1 value per channel"); every rank has the same shard size, so all would fail."""
-    if loader.drop_last or not loader.batch_size:
-        return
-    per_rank = len(loader.sampler)
-    if per_rank % loader.batch_size == 1:
-        raise ConfigError(
-            "data.batch_size",
-            loader.batch_size,
-            f"a size that leaves no training batch of one sample: each rank trains on "
-            f"{per_rank} samples, and batch norm needs two or more per batch",
-            f"e.g. data.batch_size={loader.batch_size + 1}, or data.drop_last=true",
-        )

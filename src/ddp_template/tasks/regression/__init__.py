@@ -1,0 +1,1 @@
+"""Regression: a multilayer perceptron predicting one number from rows of numeric features."""
