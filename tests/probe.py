@@ -60,3 +60,23 @@ class FailOnRank(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_rank == self.rank and batch_idx == self.batch:
             raise ValueError(f"deliberate failure on rank {self.rank}")
+
+
+class RandomDrawProbe(L.Callback):
+    """Records on every rank what random numbers shaped the first training batch: a
+    checksum of each augmented image, and the first numbers the generator that dropout
+    draws from would give (read without advancing it)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step != 0:
+            return
+        images, _ = batch
+        with torch.random.fork_rng(devices=[]):
+            dropout_draw = torch.rand(4).tolist()
+        record = {
+            "image_sums": [float(image.double().sum()) for image in images],
+            "dropout_draw": dropout_draw,
+        }
+        out = Path(trainer.default_root_dir) / "draws" / f"rank_{trainer.global_rank}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record))

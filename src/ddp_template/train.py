@@ -111,7 +111,7 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
 
     datamodule, module = build_task(cfg)
     trainer = build_trainer(cfg)
-    ckpt_path = _resume_point(cfg, trainer)
+    ckpt_path = _resume_point(cfg)
     with explain_unused_parameters(module):
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     # trainer.test replaces callback_metrics: keep what fit measured (throughput, memory).
@@ -140,14 +140,19 @@ def _restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def _resume_point(cfg: DictConfig, trainer) -> str | None:
-    """After a restart of the worker group, continue from this job's last checkpoint."""
-    callback = trainer.checkpoint_callback
-    if _restart_count() > 0 and callback is not None and callback.dirpath:
-        last = Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
-        if last.is_file():
-            return str(last)
+def _resume_point(cfg: DictConfig) -> str | None:
+    """A restart of the worker group or a SLURM requeue continues from the job's newest
+    checkpoint; a fresh start from `ckpt_path` (usually none)."""
+    restarted = _restart_count() > 0 or int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0
+    last = last_checkpoint(cfg)
+    if restarted and last.is_file():
+        return str(last)
     return cfg.ckpt_path
+
+
+def last_checkpoint(cfg: DictConfig) -> Path:
+    """Where the job's newest state is saved (callbacks.last_checkpoint, preemption)."""
+    return Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
 
 
 def _share_cpu_cores(local_processes: int) -> None:
