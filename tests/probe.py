@@ -5,7 +5,6 @@ compare ranks from the outside."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import lightning as L
@@ -19,12 +18,6 @@ def _indices(loader) -> list[int]:
 class Probe(L.Callback):
     def __init__(self) -> None:
         self.record: dict = {"train": {}, "val": [], "test": []}
-
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Which process is which rank, for tests that kill one.
-        pids = Path(trainer.default_root_dir) / "probe" / "pids"
-        pids.mkdir(parents=True, exist_ok=True)
-        (pids / f"rank_{trainer.global_rank}").write_text(str(os.getpid()))
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Lightning has called sampler.set_epoch(epoch) by now.

@@ -63,6 +63,11 @@ class ResumeState(L.Callback):
         self._to_restore = state_dict or None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning hands the saved loader position to the loader when it sets the loader
+        # up; a scheduler sized by `trainer.estimated_stepping_batches` makes it set the
+        # loader up before the checkpoint is read, and the position would be dropped. The
+        # loader starts iterating at its first batch, still to come here.
+        trainer.fit_loop._load_combined_loader_states()
         saved, self._to_restore = self._to_restore, None
         if saved is None:
             return
