@@ -225,6 +225,7 @@ def _restart_run(job: Path, max_restarts: int, *extra: str) -> subprocess.Comple
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_killed_worker_restarts_and_resumes_exactly(tmp_path: Path) -> None:
     """The restarted group continues from last.ckpt (step 5, mid-epoch) and ends with the
     weights of a run that was never killed: a restart from scratch would end differently."""
