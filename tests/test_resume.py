@@ -126,3 +126,51 @@ def test_each_rank_draws_its_own_augmentation_and_dropout(tmp_path: Path) -> Non
     assert len(set(rank0["image_sums"])) > 1, "no random augmentation at all"
     assert rank0["image_sums"] != rank1["image_sums"]
     assert rank0["dropout_draw"] != rank1["dropout_draw"]
+
+
+class _RandomlyAugmented(torch.utils.data.Dataset):
+    """Sample i plus noise drawn from the generator augmentation uses."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([float(index)]) + torch.rand(1)
+
+
+def _loader(rank: int, workers: int):
+    from ddp_template.data import ResumableDataLoader, ResumableDistributedSampler, SeededSamples
+
+    dataset = _RandomlyAugmented()
+    sampler = ResumableDistributedSampler(
+        dataset, num_replicas=2, rank=rank, shuffle=True, seed=7, batch_size=4
+    )
+    return ResumableDataLoader(
+        SeededSamples(dataset), batch_size=4, sampler=sampler, num_workers=workers
+    )
+
+
+def test_loader_resumes_after_the_batches_taken_with_the_same_augmentation() -> None:
+    """In-process check of the loader alone: the position and the per-batch seeds, with and
+    without worker processes (which prefetch batches the loop has not taken)."""
+    full = _loader(rank=1, workers=0)
+    full.sampler.set_epoch(3)
+    expected = [batch.tolist() for batch in full]
+
+    stopped = _loader(rank=1, workers=2)
+    stopped.sampler.set_epoch(3)
+    batches = iter(stopped)
+    taken = [next(batches).tolist() for _ in range(2)]
+    state = stopped.state_dict()
+    assert state == {"epoch": 3, "batches": 2}
+
+    resumed = _loader(rank=1, workers=2)
+    resumed.load_state_dict(state)
+    resumed.sampler.set_epoch(3)
+    assert taken + [batch.tolist() for batch in resumed] == expected
+
+    # Rank 0 draws other noise for its first batch.
+    rank_zero = _loader(rank=0, workers=0)
+    rank_zero.sampler.set_epoch(3)
+    first = next(iter(rank_zero))
+    assert (first % 1).tolist() != (torch.tensor(expected[0]) % 1).tolist()

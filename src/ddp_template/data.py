@@ -161,7 +161,7 @@ class ResumableDistributedSampler(DistributedSampler):
         self._resume = None
         seed = 0
         for position, index in enumerate(indices[skip:], start=skip):
-            if position % self.batch_size == 0 or position == skip:
+            if position % self.batch_size == 0:
                 # This rank's samples are at global positions rank, rank + replicas, ...
                 first = position - position % self.batch_size
                 seed = derived_seed(self.seed, self.epoch, first * self.num_replicas + self.rank)
@@ -193,7 +193,8 @@ class SeededSamples(Dataset):
         try:
             random.seed(seed)
             np.random.seed(seed % 2**32)
-            torch.manual_seed(seed)
+            # The CPU generator only: torch.manual_seed would reseed the GPUs' (dropout) too.
+            torch.random.default_generator.manual_seed(seed)
             return [self.dataset[int(index)] for index in indices]
         finally:
             _set_rng_states(outer)
