@@ -91,10 +91,7 @@ def needs_one_bucket_at_a_time(name: str, backend: str) -> bool:
 
 def registered_hook(model: DistributedDataParallel) -> CountingHook | None:
     """The counting hook registered on a live DDP wrapper, if any."""
-    for hook, _state in getattr(model, "_comm_hooks", []):
-        if isinstance(hook, CountingHook):
-            return hook
-    return None
+    return _registered(model)[0]
 
 
 class CommHookDDPStrategy(DDPStrategy):
@@ -185,7 +182,7 @@ class PowerSGDByParameter:
         return {
             "iter": state.iter,
             "rng": plain_numpy_state(state.rng.get_state()),
-            "parameters": {key: value for key, value in sorted(pieces.items())},
+            "parameters": dict(sorted(pieces.items())),
         }
 
     def load_state_dict(self, state: powerSGD_hook.PowerSGDState, saved: dict[str, Any]) -> None:
