@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -67,3 +68,33 @@ class DebugProbe(L.Callback):
         out = Path(trainer.default_root_dir) / "debug_probe" / f"rank_{trainer.global_rank}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(record))
+
+
+class StopAfterCheckpoint(L.Callback):
+    """After optimizer step `step`, every rank saves `<job>/checkpoints/last.ckpt` together
+    (as a preemption handler does) and the processes end at once, as if killed: a run
+    interrupted mid-epoch at a known point."""
+
+    EXIT_CODE = 75
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt")
+            os._exit(self.EXIT_CODE)
+
+
+class KillRankAfterStep(L.Callback):
+    """Rank `rank` kills itself (SIGKILL) when batch `step` + 1 starts, i.e. after `step`
+    optimizer steps (with a checkpoint every `step` steps, right after it is written): a
+    hard crash at a known point, in the first attempt only (TORCHELASTIC_RESTART_COUNT)."""
+
+    def __init__(self, step: int, rank: int = 1) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first_attempt and trainer.global_rank == self.rank and trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)

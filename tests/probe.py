@@ -5,7 +5,6 @@ compare ranks from the outside."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import lightning as L
@@ -19,12 +18,6 @@ def _indices(loader) -> list[int]:
 class Probe(L.Callback):
     def __init__(self) -> None:
         self.record: dict = {"train": {}, "val": [], "test": []}
-
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Which process is which rank, for tests that kill one.
-        pids = Path(trainer.default_root_dir) / "probe" / "pids"
-        pids.mkdir(parents=True, exist_ok=True)
-        (pids / f"rank_{trainer.global_rank}").write_text(str(os.getpid()))
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Lightning has called sampler.set_epoch(epoch) by now.
@@ -60,3 +53,23 @@ class FailOnRank(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_rank == self.rank and batch_idx == self.batch:
             raise ValueError(f"deliberate failure on rank {self.rank}")
+
+
+class RandomDrawProbe(L.Callback):
+    """Records on every rank what random numbers shaped the first training batch: a
+    checksum of each augmented image, and the first numbers the generator that dropout
+    draws from would give (read without advancing it)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step != 0:
+            return
+        images, _ = batch
+        with torch.random.fork_rng(devices=[]):
+            dropout_draw = torch.rand(4).tolist()
+        record = {
+            "image_sums": [float(image.double().sum()) for image in images],
+            "dropout_draw": dropout_draw,
+        }
+        out = Path(trainer.default_root_dir) / "draws" / f"rank_{trainer.global_rank}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record))

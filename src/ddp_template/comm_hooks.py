@@ -4,10 +4,17 @@ Lightning registers DDP communication hooks only on CUDA and skips them silently
 `CommHookDDPStrategy` registers the hook chosen by `strategy.comm_hook` whatever the device
 (gloo on the CPU runs the fp16, bf16 and PowerSGD hooks too), through a wrapper that counts
 its calls, so that a run can show the hook really ran (results.json: ddp.comm_hook_calls).
+
+PowerSGD keeps state between steps (each rank's compression error, the low-rank factors it
+starts the next step from, a step counter), held per gradient bucket. DDP forms its buckets
+anew in every process (one bucket on the first step, then buckets in the order gradients
+arrived), so `hook_state_dict` saves that state per parameter and the hook rebuilds it for
+whatever buckets the resumed process forms: a resume continues the same computation.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +23,8 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
+
+from ddp_template.rng import numpy_state, plain_numpy_state
 
 # Names accepted by `strategy.comm_hook`; the position is the code logged as ddp/comm_hook.
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
@@ -50,9 +59,12 @@ class CountingHook:
         # gloo runs it; bf16 on CUDA is checked up front instead (checks.py).
         self.__name__ = f"counting_{self.hook.__name__}"
         self.calls = 0
+        self.by_parameter: PowerSGDByParameter | None = None
 
     def __call__(self, state, bucket):
         self.calls += 1
+        if self.by_parameter is not None:
+            self.by_parameter.prepare(state, bucket)
         future = self.hook(state, bucket)
         if not self.one_bucket_at_a_time:
             return future
@@ -79,10 +91,7 @@ def needs_one_bucket_at_a_time(name: str, backend: str) -> bool:
 
 def registered_hook(model: DistributedDataParallel) -> CountingHook | None:
     """The counting hook registered on a live DDP wrapper, if any."""
-    for hook, _state in getattr(model, "_comm_hooks", []):
-        if isinstance(hook, CountingHook):
-            return hook
-    return None
+    return _registered(model)[0]
 
 
 class CommHookDDPStrategy(DDPStrategy):
@@ -110,4 +119,154 @@ class CommHookDDPStrategy(DDPStrategy):
             self.comm_hook,
             one_bucket_at_a_time=needs_one_bucket_at_a_time(self.comm_hook, dist.get_backend()),
         )
+        if isinstance(state, powerSGD_hook.PowerSGDState):
+            hook.by_parameter = PowerSGDByParameter(self.model.module)
         self.model.register_comm_hook(state, hook)
+
+
+def hook_state_dict(model: torch.nn.Module) -> dict[str, Any] | None:
+    """This rank's communication hook state, independent of DDP's buckets (None: stateless)."""
+    hook, state = _registered(model)
+    if hook is None or hook.by_parameter is None:
+        return None
+    return hook.by_parameter.state_dict(state)
+
+
+def load_hook_state_dict(model: torch.nn.Module, saved: dict[str, Any] | None) -> None:
+    hook, state = _registered(model)
+    if hook is None or hook.by_parameter is None or saved is None:
+        return
+    hook.by_parameter.load_state_dict(state, saved)
+
+
+def _registered(model: torch.nn.Module) -> tuple[CountingHook | None, Any]:
+    for hook, state in getattr(model, "_comm_hooks", []):
+        if isinstance(hook, CountingHook):
+            return hook, state
+    return None, None
+
+
+class PowerSGDByParameter:
+    """Translates PowerSGD's per-bucket state to per-parameter pieces and back.
+
+    For each bucket, PowerSGD holds the compression error as one flat tensor (the bucket's
+    gradients one after the other) and the factors Q of the matrices it compresses as another
+    (grouped by matrix shape, in bucket order). `prepare`, called before the hook with every
+    bucket, notices when DDP has formed different buckets and moves the state over, piece by
+    piece; a loaded state waits in per-parameter form until its buckets are seen.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.index = {p.data_ptr(): i for i, p in enumerate(module.parameters())}
+        # bucket index -> (parameter index, shape) of each gradient in it
+        self.layouts: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+        self.pending: dict[int, dict[str, torch.Tensor]] = {}
+
+    def prepare(self, state: powerSGD_hook.PowerSGDState, bucket) -> None:
+        bucket_index = bucket.index()
+        layout = [(self.index[p.data_ptr()], tuple(p.shape)) for p in bucket.parameters()]
+        known = self.layouts.get(bucket_index)
+        if known == layout:
+            return
+        keys = {key for key, _ in layout}
+        if known is not None or any(keys & {k for k, _ in old} for old in self.layouts.values()):
+            # DDP formed new buckets: all of the old state is laid out the old way.
+            self.pending.update(self._split(state))
+            _clear(state)
+            self.layouts = {}
+        self.layouts[bucket_index] = layout
+        self._join(state, bucket_index, layout, bucket.buffer())
+
+    def state_dict(self, state: powerSGD_hook.PowerSGDState) -> dict[str, Any]:
+        pieces = {**self.pending, **self._split(state)}
+        return {
+            "iter": state.iter,
+            "rng": plain_numpy_state(state.rng.get_state()),
+            "parameters": dict(sorted(pieces.items())),
+        }
+
+    def load_state_dict(self, state: powerSGD_hook.PowerSGDState, saved: dict[str, Any]) -> None:
+        state.iter = saved["iter"]
+        state.rng.set_state(numpy_state(saved["rng"]))
+        _clear(state)
+        self.layouts = {}
+        self.pending = dict(saved["parameters"])
+
+    def _split(self, state) -> dict[int, dict[str, torch.Tensor]]:
+        pieces: dict[int, dict[str, torch.Tensor]] = {}
+        for bucket_index, layout in self.layouts.items():
+            slices = _slices(state, [shape for _, shape in layout])
+            error = state.error_dict.get(bucket_index)
+            q = state.q_memory_dict.get(bucket_index)
+            for (key, _), (err_at, q_at) in zip(layout, slices, strict=True):
+                piece = pieces.setdefault(key, {})
+                if error is not None:
+                    piece["error"] = error[err_at[0] : err_at[1]].detach().cpu().clone()
+                if q is not None and q_at is not None:
+                    piece["q"] = q[q_at[0] : q_at[1]].detach().cpu().clone()
+        return {key: piece for key, piece in pieces.items() if piece}
+
+    def _join(self, state, bucket_index: int, layout, buffer: torch.Tensor) -> None:
+        pieces = [self.pending.get(key) for key, _ in layout]
+        if not any(pieces):
+            return
+        like = {"device": buffer.device, "dtype": buffer.dtype}
+        slices = _slices(state, [shape for _, shape in layout])
+        if all(piece and "error" in piece for piece in pieces):
+            state.error_dict[bucket_index] = torch.cat([p["error"] for p in pieces]).to(**like)
+        compressed = [
+            (piece, q_at) for piece, (_, q_at) in zip(pieces, slices, strict=True) if q_at
+        ]
+        if compressed and all(piece and "q" in piece for piece, _ in compressed):
+            # Q in the hook's order: grouped by matrix shape (see _slices).
+            ordered = sorted(compressed, key=lambda item: item[1][0])
+            state.q_memory_dict[bucket_index] = torch.cat([p["q"] for p, _ in ordered]).to(**like)
+            # P is recomputed from Q before it is read; only its size matters.
+            state.p_memory_dict[bucket_index] = torch.zeros(_p_size(state, layout), **like)
+        for key, _ in layout:
+            self.pending.pop(key, None)
+
+
+def _matrix(state, shape: tuple[int, ...]) -> tuple[int, int, int, bool]:
+    """How the PowerSGD hook sees a gradient: rows, columns, rank, compressed or not."""
+    rows = shape[0] if shape else 1
+    cols = math.prod(shape) // max(rows, 1)
+    rank = min(rows, cols, state.matrix_approximation_rank)
+    compress = powerSGD_hook._should_compress(rows, cols, rank, state.min_compression_rate)[0]
+    return rows, cols, rank, compress
+
+
+def _slices(state, shapes: list[tuple[int, ...]]):
+    """(error slice, Q slice or None) of each gradient of a bucket, as the hook lays them out:
+    errors in bucket order; Qs of compressed matrices grouped by shape (first seen first)."""
+    errors, at = [], 0
+    for shape in shapes:
+        errors.append((at, at + math.prod(shape)))
+        at += math.prod(shape)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for position, shape in enumerate(shapes):
+        rows, cols, _, compress = _matrix(state, shape)
+        if compress:
+            groups.setdefault((rows, cols), []).append(position)
+    q_slices: dict[int, tuple[int, int]] = {}
+    at = 0
+    for positions in groups.values():
+        for position in positions:
+            _, cols, rank, _ = _matrix(state, shapes[position])
+            q_slices[position] = (at, at + cols * rank)
+            at += cols * rank
+    return [(errors[i], q_slices.get(i)) for i in range(len(shapes))]
+
+
+def _p_size(state, layout) -> int:
+    total = 0
+    for _, shape in layout:
+        rows, _, rank, compress = _matrix(state, shape)
+        total += rows * rank if compress else 0
+    return total
+
+
+def _clear(state) -> None:
+    state.error_dict.clear()
+    state.p_memory_dict.clear()
+    state.q_memory_dict.clear()

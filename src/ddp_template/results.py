@@ -149,12 +149,9 @@ def _best_score(trainer: L.Trainer) -> float | None:
 
 
 def _checkpoints(trainer: L.Trainer) -> dict[str, str | None]:
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    callback = trainer.checkpoint_callback
-    if not isinstance(callback, ModelCheckpoint):
-        return {"best": None, "last": None}
-    return {"best": callback.best_model_path or None, "last": callback.last_model_path or None}
+    # callbacks.model_checkpoint keeps best.ckpt, callbacks.last_checkpoint last.ckpt.
+    paths = {Path(c.best_model_path).stem: c.best_model_path for c in trainer.checkpoint_callbacks}
+    return {"best": paths.get("best") or None, "last": paths.get("last") or None}
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:

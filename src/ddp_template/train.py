@@ -129,7 +129,7 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     datamodule, module = build_task(cfg)
     compile_if_asked(cfg, module)
     trainer = build_trainer(cfg)
-    ckpt_path = _resume_point(cfg, trainer)
+    ckpt_path = _resume_point(cfg)
     with explain_unused_parameters(module):
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     # trainer.test replaces callback_metrics: keep what fit measured (throughput, memory).
@@ -149,7 +149,7 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     export_weights(module.model, weights)
     results = collect_results(cfg, trainer, fit_metrics, test_metrics, weights)
     results["restarts"] = _restart_count()
-    results["requeues"] = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    results["requeues"] = _requeue_count()
     results["resumed_from"] = ckpt_path
     write_json_atomic(job_dir / RESULTS_FILE, results)
     attach_results(trainer.loggers, job_dir / RESULTS_FILE, results)
@@ -157,19 +157,28 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _restart_count() -> int:
-    """Restarts of the worker group (elastic agent), or requeues of the SLURM job."""
-    names = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
-    return sum(int(os.environ.get(name, "0")) for name in names)
+    """Restarts of the worker group by the elastic agent (max_restarts)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def _resume_point(cfg: DictConfig, trainer) -> str | None:
-    """After a restart of the worker group, continue from this job's last checkpoint."""
-    callback = trainer.checkpoint_callback
-    if _restart_count() > 0 and callback is not None and callback.dirpath:
-        last = Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
-        if last.is_file():
-            return str(last)
+def _requeue_count() -> int:
+    """Requeues of the SLURM job (preemption, time limit)."""
+    return int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+
+
+def _resume_point(cfg: DictConfig) -> str | None:
+    """A restart of the worker group or a SLURM requeue continues from the job's newest
+    checkpoint; a fresh start from `ckpt_path` (usually none)."""
+    restarted = _restart_count() > 0 or _requeue_count() > 0
+    last = last_checkpoint(cfg)
+    if restarted and last.is_file():
+        return str(last)
     return cfg.ckpt_path
+
+
+def last_checkpoint(cfg: DictConfig) -> Path:
+    """Where the job's newest state is saved (callbacks.last_checkpoint, preemption)."""
+    return Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
 
 
 def _share_cpu_cores(local_processes: int) -> None:

@@ -58,6 +58,7 @@ def build_resnet(
     image_size: int | None = None,
     norm: str = "batch",
     channels_last: bool = False,
+    dropout: float = 0.0,
 ) -> nn.Module:
     """A ResNet-family model from torchvision (random weights), optionally channels-last.
     The stem follows `small_input`; under "auto" it follows `image_size`."""
@@ -81,6 +82,12 @@ def build_resnet(
         model.maxpool = nn.Identity()
     elif in_channels != 3:
         model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
+    if not 0.0 <= dropout < 1.0:
+        raise ConfigError(
+            "task.module.model.dropout", dropout, "a probability in [0, 1)", "e.g. dropout=0.2"
+        )
+    if dropout:
+        model.fc = nn.Sequential(nn.Dropout(dropout), model.fc)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model
