@@ -46,11 +46,12 @@ def main(cfg: DictConfig) -> float | None:
 def run(cfg: DictConfig) -> float | None:
     """Checks the config, starts the workers and returns the metric a sweep optimises."""
     from ddp_template.checks import check_config
-    from ddp_template.launch import launch
+    from ddp_template.launch import launch, single_threaded
     from ddp_template.results import print_summary
 
     try:
-        check_config(cfg)
+        with single_threaded():
+            check_config(cfg)
         config = OmegaConf.to_container(cfg, resolve=True)
         results = launch(
             fit_and_test,
@@ -175,9 +176,8 @@ def _configure_console_logging() -> None:
     if logging.getLogger().handlers:
         lightning_logger.handlers.clear()
         return
-    for handler in lightning_logger.handlers:
-        if isinstance(handler, logging.StreamHandler):
-            handler.setStream(sys.stdout)
+    lightning_logger.handlers = [logging.StreamHandler(sys.stdout)]
+    lightning_logger.propagate = False
 
 
 def _quiet_known_warnings() -> None:
