@@ -15,7 +15,13 @@ class ConfigError(UserFacingError):
     def __init__(self, key: str, value: Any, allowed: str, fix: str) -> None:
         self.key = key
         self.value = value
+        self.allowed = allowed
+        self.fix = fix
         super().__init__(f"{key}={value!r} is not valid: {allowed}. Fix: {fix}")
+
+    def __reduce__(self) -> tuple:
+        # Rebuilt from its parts when it crosses processes (a packed sweep's job).
+        return type(self), (self.key, self.value, self.allowed, self.fix)
 
 
 class WorkerFailed(UserFacingError):
@@ -25,6 +31,9 @@ class WorkerFailed(UserFacingError):
     def __init__(self, message: str, details: str = "") -> None:
         super().__init__(message)
         self.details = details
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.details)
 
 
 class TrainingStopped(UserFacingError):

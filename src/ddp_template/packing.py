@@ -24,9 +24,17 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
 
-from hydra.core.utils import JobReturn, JobStatus, filter_overrides, run_job
+from hydra.core.utils import (
+    JobReturn,
+    JobStatus,
+    configure_log,
+    filter_overrides,
+    run_job,
+    setup_globals,
+)
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
 
@@ -186,6 +194,9 @@ def launch_packed(
     except ConfigError as err:
         _refuse(err)
 
+    setup_globals()
+    configure_log(config.hydra.hydra_logging, config.hydra.verbose)
+    Path(str(config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
     for module in PRELOADED_MODULES:
         importlib.import_module(module)
     log.info(f"Launching {len(sweep_configs)} jobs locally, {len(lanes)} at once")

@@ -5,9 +5,8 @@ module of this namespace at start-up, so this one stays light."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
-from hydra.core.utils import JobReturn, configure_log, setup_globals
+from hydra.core.utils import JobReturn
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
@@ -34,9 +33,6 @@ class PackedLauncher(Launcher):
 
         assert self.config is not None and self.hydra_context is not None
         assert self.task_function is not None
-        setup_globals()
-        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
-        Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
         return launch_packed(
             self.jobs,
             self.config,

@@ -1,0 +1,54 @@
+"""Callbacks the packing and start-up tests add with `+callbacks.<name>._target_=lane_probe.<Class>`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+
+
+class LaneProbe(L.Callback):
+    """Records, on every rank, the share of the machine it ran on, when it trained, the
+    learning rate its optimizer was built with, and what Lightning believes its rank is."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+        factory = getattr(pl_module, "optimizer_factory", None)
+        self.record = {
+            "rank": trainer.global_rank,
+            "pid": os.getpid(),
+            "parent_pid": os.getppid(),
+            "cores": sorted(os.sched_getaffinity(0)),
+            "torch_threads": torch.get_num_threads(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "lr": factory.keywords.get("lr") if factory is not None else None,
+            "rank_zero_only_rank": rank_zero_only.rank,
+            "root_log_handlers": len(__import__("logging").getLogger().handlers),
+            "fit_start": time.time(),
+        }
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.record["fit_end"] = time.time()
+        out = Path(trainer.default_root_dir) / "lane_probe" / f"rank_{trainer.global_rank}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(self.record))
+
+
+class KillOwnProcess(L.Callback):
+    """Kills the process it trains in at training step `at_step` (a crash, an out-of-memory
+    kill); never when `at_step` is negative."""
+
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if batch_idx == self.at_step:
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
