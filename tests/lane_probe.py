@@ -31,6 +31,7 @@ class LaneProbe(L.Callback):
             "lr": factory.keywords.get("lr") if factory is not None else None,
             "rank_zero_only_rank": rank_zero_only.rank,
             "root_log_handlers": len(__import__("logging").getLogger().handlers),
+            "job_start": _job_start_time(),
             "fit_start": time.time(),
         }
 
@@ -39,6 +40,17 @@ class LaneProbe(L.Callback):
         out = Path(trainer.default_root_dir) / "lane_probe" / f"rank_{trainer.global_rank}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(self.record))
+
+
+def _job_start_time() -> float:
+    """When the process that runs the job came to be: this one, or for a rank started by
+    the job's elastic agent, the agent's."""
+    pid = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
+    with open(f"/proc/{pid}/stat") as stat:
+        started_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/uptime") as uptime:
+        now_since_boot = float(uptime.read().split()[0])
+    return time.time() - (now_since_boot - started_ticks / os.sysconf("SC_CLK_TCK"))
 
 
 class KillOwnProcess(L.Callback):

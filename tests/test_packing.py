@@ -38,8 +38,9 @@ def lane_records(job: Path) -> list[dict]:
 
 
 def overlap(first: list[dict], second: list[dict]) -> bool:
-    """Whether two jobs were training at the same moment."""
-    start = max(min(r["fit_start"] for r in first), min(r["fit_start"] for r in second))
+    """Whether two jobs were running at the same moment (from the start of the job's
+    process to the end of its training)."""
+    start = max(min(r["job_start"] for r in first), min(r["job_start"] for r in second))
     end = min(max(r["fit_end"] for r in first), max(r["fit_end"] for r in second))
     return start < end
 
