@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import json
+import logging
 import os
 import signal
 import sys
@@ -15,7 +17,14 @@ import torch
 
 class LaneProbe(L.Callback):
     """Records, on every rank, the share of the machine it ran on, when it trained, the
-    learning rate its optimizer was built with, and what Lightning believes its rank is."""
+    learning rate its optimizer was built with, how its process came to be, and what
+    Lightning believed its rank was before the Trainer existed (this callback is built
+    first). At the process's exit it leaves a file, as an exit function."""
+
+    def __init__(self) -> None:
+        from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+        self.rank_before_trainer = rank_zero_only.rank
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from lightning.fabric.utilities.rank_zero import rank_zero_only
@@ -29,17 +38,20 @@ class LaneProbe(L.Callback):
             "torch_threads": torch.get_num_threads(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "lr": factory.keywords.get("lr") if factory is not None else None,
+            "rank_zero_only_rank_before_trainer": self.rank_before_trainer,
             "rank_zero_only_rank": rank_zero_only.rank,
-            "root_log_handlers": len(__import__("logging").getLogger().handlers),
+            "root_log_handlers": len(logging.getLogger().handlers),
+            "cmdline": Path("/proc/self/cmdline").read_text().replace("\0", " "),
             "job_start": _job_start_time(),
             "fit_start": time.time(),
         }
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.record["fit_end"] = time.time()
-        out = Path(trainer.default_root_dir) / "lane_probe" / f"rank_{trainer.global_rank}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(self.record))
+        folder = Path(trainer.default_root_dir) / "lane_probe"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"rank_{trainer.global_rank}.json").write_text(json.dumps(self.record))
+        atexit.register((folder / f"exited_rank_{trainer.global_rank}").touch)
 
 
 def _job_start_time() -> float:
