@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import FAST, results, train
+from conftest import FAST, ROOT, results, train
 
 CORES = len(os.sched_getaffinity(0))
 # A small job that trains in one process (a multilayer perceptron on a bundled table).
@@ -180,3 +180,19 @@ def test_parallel_optuna_trials_train_one_learning_rate_on_all_ranks(tmp_path: P
     )
     best = yaml.safe_load((sweep_folder(tmp_path) / "optimization_results.yaml").read_text())
     assert best["best_value"] == max(t["val/acc"] for t in trials)
+
+
+@needs_two_cores
+@pytest.mark.slow
+def test_packing_benchmark_is_faster_packed() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "packing.py"), "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("packing speed-up: "), proc.stdout
+    # Two jobs at a time on two cores: the sweep must end sooner than one job at a time.
+    assert float(last.split(": ")[1]) > 1.0, proc.stdout

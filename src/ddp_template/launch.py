@@ -6,7 +6,7 @@ Hydra multirun sweep stays one sweep. The agent gives each job a free rendezvous
 per-rank log files, restarts and the failing rank's traceback. When the processes were
 created outside (torchrun), the job trains in the process it is in.
 
-Workers are forked from the launching process where that is safe (see `start_method`): it
+Workers are forked from the launching process where that is safe (`worker_start_method`): it
 has already imported torch and Lightning to check the config, so workers start in a fraction
 of a second instead of importing them again. Otherwise they are spawned (fresh interpreters).
 """

@@ -22,6 +22,9 @@ from ddp_template import resolvers
 from ddp_template.errors import UserFacingError
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+# CUDA counted through NVML, as Lightning does once imported: a launching process that
+# initialised CUDA could not fork its workers (see launch.worker_start_method).
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 resolvers.register()
 
