@@ -134,8 +134,14 @@ def _start_worker(worker: Worker, config: dict[str, Any], start_method: str) -> 
     if start_method != "fork":
         return worker(config)
     _forget_launching_process()
-    with own_exit_functions():
-        return worker(config)
+    try:
+        with own_exit_functions():
+            return worker(config)
+    except Exception:
+        # The worker's own error file (`@record`) already holds the error, written when
+        # it happened; the agent's wrapper would write it again, later than the failures
+        # it causes on the other ranks (a forked worker ends at once).
+        raise SystemExit(1) from None
 
 
 @contextmanager
@@ -172,9 +178,19 @@ def _quiet_agent_logs() -> None:
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
 
 
+def _failed_at(failure: Any) -> tuple[int, int]:
+    """A rank killed by a signal left no error file: in its second, it comes first (the
+    errors of the others are what its death caused)."""
+    error_file = Path(failure.error_file)
+    written = error_file.stat().st_mtime_ns if error_file.is_file() else 0
+    return failure.timestamp, written
+
+
 def describe_failure(error: ChildFailedError, log_dir: Path) -> WorkerFailed:
     """The first rank that failed (by time), why, its traceback, and where its logs are."""
-    rank, failure = error.get_first_failure()
+    # By the time each rank's error was written: the agent's own order goes by whole
+    # seconds, and the rank that failed first and those it brought down share one.
+    rank, failure = min(error.failures.items(), key=lambda item: _failed_at(item[1]))
     attempts = sorted(log_dir.glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
     rank_logs = attempts[-1] / str(failure.local_rank) if attempts else log_dir
     traceback = ""
