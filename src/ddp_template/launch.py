@@ -135,26 +135,31 @@ def _start_worker(worker: Worker, config: dict[str, Any], start_method: str) -> 
         return worker(config)
     _forget_launching_process()
     try:
-        with own_exit_functions():
+        with own_exit_functions(on_error=False):
             return worker(config)
     except Exception:
-        # The worker's own error file (`@record`) already holds the error, written when
-        # it happened; the agent's wrapper would write it again, later than the failures
-        # it causes on the other ranks (a forked worker ends at once).
+        # The worker's own error file (`@record`) holds the error, written when it
+        # happened. End now: the agent names the rank whose process ended first, and exit
+        # functions (the process group's among them) would let the ranks this failure
+        # brings down end before this one. The agent's wrapper would also write the error
+        # again, later than theirs.
         raise SystemExit(1) from None
 
 
 @contextmanager
-def own_exit_functions() -> Iterator[None]:
+def own_exit_functions(on_error: bool = True) -> Iterator[None]:
     """A forked process ends without the interpreter's exit (multiprocessing calls
     `os._exit`): this runs the exit functions registered inside the block, as a spawned
     process would at its end (loggers close their runs there), and not the copies of the
-    parent's."""
+    parent's; after an error too unless `on_error` is false."""
     atexit._clear()
     try:
         yield
-    finally:
-        atexit._run_exitfuncs()
+    except BaseException:
+        if on_error:
+            atexit._run_exitfuncs()
+        raise
+    atexit._run_exitfuncs()
 
 
 def _forget_launching_process() -> None:
