@@ -41,11 +41,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument(
-        "--tiny", action="store_true", help="one repetition of 3-step jobs on 8x8 images"
+        "--tiny", action="store_true", help="one repetition of 10-step jobs on 16x16 images"
     )
     args = parser.parse_args()
     if args.tiny:
-        args.repeats, args.steps, args.batch_size, args.image_size = 1, 3, 8, 8
+        args.repeats, args.steps, args.batch_size, args.image_size = 1, 10, 16, 16
     available = sorted(os.sched_getaffinity(0))
     if len(available) < args.cores:
         sys.exit(f"--cores {args.cores}: this process may use {len(available)} core(s) only")
