@@ -8,6 +8,9 @@ timing rule as the template's SpeedMonitor: a step lasts from the end of the pre
 to the end of this one; warm-up steps and the first step of each epoch are not timed.
 
     torchrun --standalone --nproc-per-node 2 benchmarks/raw_ddp.py --out raw.json
+
+`--milestones FILE`: rank 0 also writes when it reached each point of its start-up (for
+`benchmarks/startup.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 import torch.distributed as dist
+from milestones import process_start_time
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -39,11 +43,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--arch", default="resnet18")
     parser.add_argument("--precision", default="32-true", choices=["32-true", "16-mixed"])
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--milestones", help="JSON file for rank 0's start-up milestones")
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    times = {"worker_created": process_start_time()}
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     cuda = torch.cuda.is_available()
@@ -59,6 +65,7 @@ def main() -> None:
     train_set, _, _ = Synthetic(num_samples=args.num_samples, image_size=args.image_size).splits()
     sampler = DistributedSampler(train_set, shuffle=True, seed=args.seed)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    times["ready"] = time.time()
 
     model = build_resnet(args.arch, num_classes=10, in_channels=3, small_input=True).to(device)
     model = DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
@@ -79,6 +86,7 @@ def main() -> None:
         sampler.set_epoch(epoch)
         previous_end = None
         for images, labels in loader:
+            times.setdefault("first_step_start", time.time())
             images = images.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True)
             autocast = torch.autocast(device.type, dtype=dtype) if mixed else nullcontext()
@@ -92,6 +100,8 @@ def main() -> None:
             if cuda:
                 torch.cuda.synchronize(device)
             end = time.perf_counter()
+            times.setdefault("first_step_end", time.time())
+            times["last_step_end"] = time.time()
             if step >= args.warmup_steps and previous_end is not None:
                 periods.append(end - previous_end)
             previous_end = end
@@ -113,6 +123,9 @@ def main() -> None:
         }
         with open(args.out, "w") as file:
             json.dump(figures, file, indent=2)
+        if args.milestones:
+            with open(args.milestones, "w") as file:
+                json.dump(times, file)
     else:
         _time_sigterm_broadcast(device)
     dist.destroy_process_group()

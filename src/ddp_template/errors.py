@@ -19,7 +19,13 @@ class ConfigError(UserFacingError):
         self.value = value
         # One paragraph, however many lines a library's message had.
         allowed = " ".join(str(allowed).split()).rstrip(".")
+        self.allowed = allowed
+        self.fix = fix
         super().__init__(f"{key}={value!r} is not valid: {allowed}. Fix: {fix}")
+
+    def __reduce__(self) -> tuple:
+        # Rebuilt from its parts when it crosses processes (a packed sweep's job).
+        return type(self), (self.key, self.value, self.allowed, self.fix)
 
 
 def refusal_as_config_error(
@@ -64,6 +70,9 @@ class WorkerFailed(UserFacingError):
     def __init__(self, message: str, details: str = "") -> None:
         super().__init__(message)
         self.details = details
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.details)
 
 
 class TrainingStopped(UserFacingError):

@@ -5,14 +5,23 @@ torchrun), handing them the job's resolved config. Workers never re-read `sys.ar
 Hydra multirun sweep stays one sweep. The agent gives each job a free rendezvous port,
 per-rank log files, restarts and the failing rank's traceback. When the processes were
 created outside (torchrun), the job trains in the process it is in.
+
+Workers are forked from the launching process where that is safe (`worker_start_method`): it
+has already imported torch and Lightning to check the config, so workers start in a fraction
+of a second instead of importing them again. Otherwise they are spawned (fresh interpreters).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import signal
+import sys
+import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +65,7 @@ def launch(
     # gloo workers read the dead workers' addresses and fail to connect (or hang).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     log_dir = job_dir / "logs"
+    start_method = worker_start_method()
     launch_config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -65,8 +75,9 @@ def launch(
         # Port 0: the agent picks a free port, so jobs side by side never clash.
         rdzv_endpoint="localhost:0",
         max_restarts=max_restarts,
-        monitor_interval=0.5,
-        start_method="spawn",
+        # How often the agent looks at its workers: also how long it waits after they ended.
+        monitor_interval=0.1,
+        start_method=start_method,
         # Every rank's output goes to its own files; rank 0's stdout to the console as well.
         # Tracebacks are not teed: the failing rank's one is printed once, by describe_failure.
         logs_specs=JobLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL, tee={0: Std.OUT}),
@@ -74,10 +85,92 @@ def launch(
     )
     _quiet_agent_logs()
     try:
-        returns = elastic_launch(launch_config, worker)(config)
+        returns = elastic_launch(launch_config, _start_worker)(worker, config, start_method)
     except ChildFailedError as failure:
         raise describe_failure(failure, log_dir) from None
     return returns[0]
+
+
+@contextmanager
+def single_threaded() -> Iterator[None]:
+    """Runs the launching process's own work (checks that build the model) on one torch
+    thread. A GNU OpenMP team that ran a parallel region here would be copied into forked
+    workers without its threads, and a worker's first parallel region would hang; with one
+    thread no team is ever made. The thread count is restored after, for a job that trains
+    in this process."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def worker_start_method() -> str:
+    """`fork` where a copy of this process makes a sound worker, else `spawn`.
+
+    Not where CUDA was initialised here: CUDA fails in forked children (Lightning counts
+    GPUs through NVML so as not to). Not where another Python thread runs (a tracker's
+    uploader, a prefetcher): the copy would hold its locks and state without the thread.
+    Native pools that handle fork themselves (OpenBLAS) do not count; torch's OpenMP pool
+    is kept from starting by `single_threaded`.
+    """
+    if sys.platform != "linux" or threading.active_count() > 1:
+        return "spawn"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "spawn"
+    return "fork"
+
+
+def _start_worker(worker: Worker, config: dict[str, Any], start_method: str) -> Any:
+    """The worker process's entry: a forked one first drops what it copied of the launching
+    process and would not have as a fresh interpreter."""
+    if start_method != "fork":
+        return worker(config)
+    _forget_launching_process()
+    try:
+        with own_exit_functions(on_error=False):
+            return worker(config)
+    except Exception:
+        # The worker's own error file (`@record`) holds the error, written when it
+        # happened. End now: the agent names the rank whose process ended first, and exit
+        # functions (the process group's among them) would let the ranks this failure
+        # brings down end before this one. The agent's wrapper would also write the error
+        # again, later than theirs.
+        raise SystemExit(1) from None
+
+
+@contextmanager
+def own_exit_functions(on_error: bool = True) -> Iterator[None]:
+    """A forked process ends without the interpreter's exit (multiprocessing calls
+    `os._exit`): this runs the exit functions registered inside the block, as a spawned
+    process would at its end (loggers close their runs there), and not the copies of the
+    parent's; after an error too unless `on_error` is false."""
+    atexit._clear()
+    try:
+        yield
+    except BaseException:
+        if on_error:
+            atexit._run_exitfuncs()
+        raise
+    atexit._run_exitfuncs()
+
+
+def _forget_launching_process() -> None:
+    # The agent's signal handlers and the launching process's log handlers (Hydra's
+    # console and train.log) belong to that process.
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    logging.getLogger().handlers.clear()
+    # Lightning reads the rank from the environment when it is imported: this copy imported
+    # it before the agent set RANK.
+    rank_zero = sys.modules.get("lightning_utilities.core.rank_zero")
+    if rank_zero is not None:
+        rank_zero.rank_zero_only.rank = int(os.environ["RANK"])
 
 
 def _quiet_agent_logs() -> None:
@@ -91,9 +184,19 @@ def _quiet_agent_logs() -> None:
     )
 
 
+def _failed_at(failure: Any) -> tuple[int, int]:
+    """A rank killed by a signal left no error file: in its second, it comes first (the
+    errors of the others are what its death caused)."""
+    error_file = Path(failure.error_file)
+    written = error_file.stat().st_mtime_ns if error_file.is_file() else 0
+    return failure.timestamp, written
+
+
 def describe_failure(error: ChildFailedError, log_dir: Path) -> WorkerFailed:
     """The first rank that failed (by time), why, its traceback, and where its logs are."""
-    rank, failure = error.get_first_failure()
+    # By the time each rank's error was written: the agent's own order goes by whole
+    # seconds, and the rank that failed first and those it brought down share one.
+    rank, failure = min(error.failures.items(), key=lambda item: _failed_at(item[1]))
     attempts = sorted(log_dir.glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
     rank_logs = attempts[-1] / str(failure.local_rank) if attempts else log_dir
     traceback = ""

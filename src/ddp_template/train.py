@@ -23,6 +23,9 @@ from ddp_template import resolvers
 from ddp_template.errors import UserFacingError
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+# CUDA counted through NVML, as Lightning does once imported: a launching process that
+# initialised CUDA could not fork its workers (see launch.worker_start_method).
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 resolvers.register()
 
@@ -47,11 +50,12 @@ def main(cfg: DictConfig) -> float | None:
 def run(cfg: DictConfig) -> float | None:
     """Checks the config, starts the workers and returns the metric a sweep optimises."""
     from ddp_template.checks import check_config
-    from ddp_template.launch import launch
+    from ddp_template.launch import launch, single_threaded
     from ddp_template.results import print_summary
 
     try:
-        check_config(cfg)
+        with single_threaded():
+            check_config(cfg)
         config = OmegaConf.to_container(cfg, resolve=True)
         results = launch(
             fit_and_test,
@@ -207,9 +211,8 @@ def _configure_console_logging() -> None:
     if logging.getLogger().handlers:
         lightning_logger.handlers.clear()
         return
-    for handler in lightning_logger.handlers:
-        if isinstance(handler, logging.StreamHandler):
-            handler.setStream(sys.stdout)
+    lightning_logger.handlers = [logging.StreamHandler(sys.stdout)]
+    lightning_logger.propagate = False
 
 
 def _quiet_known_warnings() -> None:

@@ -1,0 +1,1 @@
+"""Hydra launchers of ddp_template (Hydra finds launchers only in this namespace)."""

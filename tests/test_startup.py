@@ -1,0 +1,129 @@
+"""Start-up: workers forked from the launching process (no second import of torch and
+Lightning) behave as fresh processes would, the fork is refused where it is unsafe, and the
+start-up benchmark runs. Every test starts real processes."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+from conftest import FAST, ROOT, TESTS, train
+
+from ddp_template.launch import worker_start_method
+
+LANE_PROBE = "+callbacks.lane_probe._target_=lane_probe.LaneProbe"
+
+
+@pytest.mark.slow
+def test_forked_workers_start_as_fresh_processes_would(tmp_path: Path) -> None:
+    job = tmp_path / "run"
+    train("strategy=ddp", "devices=2", *FAST, LANE_PROBE, f"hydra.run.dir={job}", cwd=tmp_path)
+    records = [json.loads((job / "lane_probe" / f"rank_{r}.json").read_text()) for r in (0, 1)]
+    for rank, record in enumerate(records):
+        # Forked: a spawned worker's command line is multiprocessing's own.
+        assert "multiprocessing" not in record["cmdline"] and "train.py" in record["cmdline"]
+        # Lightning knew the rank before the Trainer set it (it reads it at import).
+        assert record["rank_zero_only_rank_before_trainer"] == rank
+        # The launching process's log handlers (Hydra's train.log) were dropped.
+        assert record["root_log_handlers"] == 0
+        # The worker's own exit functions ran at its end.
+        assert (job / "lane_probe" / f"exited_rank_{rank}").is_file()
+    assert records[0]["parent_pid"] == records[1]["parent_pid"]
+    # Lightning's messages reach each rank's own log; train.log has none of rank 1's.
+    rank_one_log = (job / "logs" / "attempt_0" / "1" / "stdout.log").read_text()
+    assert "GLOBAL_RANK: 1" in rank_one_log
+    assert "GLOBAL_RANK: 1" not in (job / "train.log").read_text()
+
+
+def test_fork_is_refused_while_another_thread_runs() -> None:
+    """A thread of this process would be missing from a forked copy, its locks held."""
+    assert worker_start_method() == "fork"
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait)
+    thread.start()
+    try:
+        assert worker_start_method() == "spawn"
+    finally:
+        release.set()
+        thread.join()
+    assert worker_start_method() == "fork"
+
+
+FORK_AFTER_PARALLEL_WORK = textwrap.dedent(
+    """
+    import multiprocessing, sys, torch
+    from ddp_template.launch import single_threaded
+
+    def parallel_work():
+        x = torch.randn(1500, 1500)
+        for _ in range(3):
+            (x @ x).exp_().sum()
+
+    def child():
+        torch.set_num_threads(2)
+        parallel_work()
+
+    torch.set_num_threads(2)
+    if sys.argv[1] == "single_threaded":
+        with single_threaded():
+            parallel_work()
+    else:
+        parallel_work()
+    process = multiprocessing.get_context("fork").Process(target=child)
+    process.start()
+    process.join(timeout=float(sys.argv[2]))
+    finished = process.exitcode == 0
+    process.kill()
+    print("finished" if finished else "hung")
+    """
+)
+
+
+def _fork_after_parallel_work(mode: str, tmp_path: Path, wait_s: float) -> str:
+    script = tmp_path / "fork_after_parallel_work.py"
+    script.write_text(FORK_AFTER_PARALLEL_WORK)
+    proc = subprocess.run(
+        [sys.executable, str(script), mode, str(wait_s)],
+        capture_output=True,
+        text=True,
+        timeout=wait_s + 120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.strip()
+
+
+@pytest.mark.slow
+def test_work_of_the_launching_process_leaves_forked_workers_able_to_use_threads(
+    tmp_path: Path,
+) -> None:
+    """GNU OpenMP's team, made by a parallel region in the parent, is copied into a forked
+    child without its threads: the child's first parallel region hangs. The launching
+    process does its work on one thread, so its workers can use several."""
+    assert _fork_after_parallel_work("single_threaded", tmp_path, wait_s=120) == "finished"
+    # The hazard itself, where torch runs on GNU OpenMP (the Linux wheels do).
+    maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
+    if "libgomp" in maps:
+        assert _fork_after_parallel_work("plain", tmp_path, wait_s=20) == "hung"
+
+
+@pytest.mark.slow
+def test_startup_benchmark_prints_its_figures() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "startup.py"), "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=TESTS,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    for phase in ("start the workers", "first step", "shut-down", "time to the first step"):
+        assert any(line.startswith(phase) for line in lines), proc.stdout
+    assert re.fullmatch(r"start-up ratio: \d+\.\d\d", lines[-2])
+    assert re.fullmatch(r"extra start-up: -?\d+\.\d\d s", lines[-1])
