@@ -56,8 +56,14 @@ def test_a_stopped_run_ends_at_once_and_says_how_to_resume(tmp_path: Path, how: 
     while not last.is_file():
         assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.2)
-    workers = psutil.Process(proc.pid).children(recursive=True)
-    ranks = [p for p in workers if "spawn_main" in " ".join(p.cmdline())]
+    launcher = psutil.Process(proc.pid)
+    workers = launcher.children(recursive=True)
+    # The ranks: the agent's children, spawned (spawn_main) or forked (the same command line).
+    ranks = [
+        p
+        for p in launcher.children()
+        if "spawn_main" in " ".join(p.cmdline()) or p.cmdline() == launcher.cmdline()
+    ]
     assert len(ranks) == 2
     # The watchdog's stack dump answers SIGQUIT and leaves the rank running.
     ranks[0].send_signal(signal.SIGQUIT)

@@ -80,7 +80,9 @@ def test_mlflow_server_gets_one_run_with_config_metrics_and_results(
     run = runs[0]
     assert run.data.params["trainer/max_epochs"] == "1"
     assert run.data.params["devices"] == "2"
-    assert {"train/loss", "val/acc", "test/acc", "lr-SGD"} <= set(run.data.metrics)
+    assert {"train/loss_step", "train/loss_epoch", "val/acc", "test/acc", "lr-SGD"} <= set(
+        run.data.metrics
+    )
     artifacts = [entry.path for entry in client.list_artifacts(run.info.run_id)]
     assert "results.json" in artifacts
     copy = client.download_artifacts(run.info.run_id, "results.json", str(tmp_path))
@@ -104,7 +106,7 @@ def test_tensorboard_and_wandb_offline_side_by_side(tmp_path: Path, run_dir: Pat
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
     events.Reload()
     scalars = set(events.Tags()["scalars"])
-    assert {"train/loss", "val/acc", "test/acc", "lr-SGD"} <= scalars
+    assert {"train/loss_step", "train/loss_epoch", "val/acc", "test/acc", "lr-SGD"} <= scalars
     learning_rates = [event.value for event in events.Scalars("lr-SGD")]
     assert len(learning_rates) == 3 and learning_rates[0] != learning_rates[-1]  # OneCycleLR
     text = events.Tensors("results/text_summary")[0].tensor_proto.string_val[0].decode()

@@ -146,7 +146,8 @@ def _sampler_text(loader: Any) -> str:
     sampler = loader.sampler
     name = type(sampler).__name__
     if isinstance(sampler, DistributedSampler):
-        name += f"(shuffle={sampler.shuffle}, drop_last={sampler.drop_last})"
+        # The resumable subclass is torch's sampler that can start mid-epoch: named as torch's.
+        name = f"DistributedSampler(shuffle={sampler.shuffle}, drop_last={sampler.drop_last})"
     return f"{name}, loader drop_last={loader.drop_last}"
 
 
