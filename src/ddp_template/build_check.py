@@ -9,7 +9,7 @@ import logging
 import os
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from hydra.errors import InstantiationException
@@ -23,6 +23,9 @@ from ddp_template.metrics import check_monitor
 from ddp_template.schema import as_override
 from ddp_template.schema import parameter_default as _default
 
+if TYPE_CHECKING:
+    from ddp_template.module import TaskModule
+
 
 def check_by_building(cfg: DictConfig) -> None:
     """Builds the DataModule, the LightningModule, the Trainer (strategy, callbacks) and the
@@ -33,7 +36,9 @@ def check_by_building(cfg: DictConfig) -> None:
     with _no_traces():
         with _refusals(cfg, "data", "task.module"), torch.device("meta"):
             _, module = build_task(cfg)
-        check_monitor(cfg.task.get("monitor"), cfg.task.get("monitor_mode"), module.metrics)
+        # Every task's module is a TaskModule, which declares the metrics it logs.
+        metrics = cast("TaskModule", module).metrics
+        check_monitor(cfg.task.get("monitor"), cfg.task.get("monitor_mode"), metrics)
         with _refusals(cfg, "trainer", "strategy", "callbacks", *_TOP_LEVEL):
             trainer = build_trainer(cfg, loggers=[])
         with _refusals(cfg, "task.module.optimizer", "task.module.scheduler"):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -124,7 +124,7 @@ class CommHookDDPStrategy(DDPStrategy):
         self.model.register_comm_hook(state, hook)
 
 
-def hook_state_dict(model: torch.nn.Module) -> dict[str, Any] | None:
+def hook_state_dict(model: torch.nn.Module | None) -> dict[str, Any] | None:
     """This rank's communication hook state, independent of DDP's buckets (None: stateless)."""
     hook, state = _registered(model)
     if hook is None or hook.by_parameter is None:
@@ -132,14 +132,14 @@ def hook_state_dict(model: torch.nn.Module) -> dict[str, Any] | None:
     return hook.by_parameter.state_dict(state)
 
 
-def load_hook_state_dict(model: torch.nn.Module, saved: dict[str, Any] | None) -> None:
+def load_hook_state_dict(model: torch.nn.Module | None, saved: dict[str, Any] | None) -> None:
     hook, state = _registered(model)
     if hook is None or hook.by_parameter is None or saved is None:
         return
     hook.by_parameter.load_state_dict(state, saved)
 
 
-def _registered(model: torch.nn.Module) -> tuple[CountingHook | None, Any]:
+def _registered(model: torch.nn.Module | None) -> tuple[CountingHook | None, Any]:
     for hook, state in getattr(model, "_comm_hooks", []):
         if isinstance(hook, CountingHook):
             return hook, state
@@ -181,7 +181,9 @@ class PowerSGDByParameter:
         pieces = {**self.pending, **self._split(state)}
         return {
             "iter": state.iter,
-            "rng": plain_numpy_state(state.rng.get_state()),
+            # numpy's stub picks the dict overload for the default legacy=True, which
+            # returns the tuple for the MT19937 generator PowerSGD seeds.
+            "rng": plain_numpy_state(cast("tuple[Any, ...]", state.rng.get_state())),
             "parameters": dict(sorted(pieces.items())),
         }
 
@@ -210,17 +212,18 @@ class PowerSGDByParameter:
         pieces = [self.pending.get(key) for key, _ in layout]
         if not any(pieces):
             return
-        like = {"device": buffer.device, "dtype": buffer.dtype}
+        like: dict[str, Any] = {"device": buffer.device, "dtype": buffer.dtype}
         slices = _slices(state, [shape for _, shape in layout])
         if all(piece and "error" in piece for piece in pieces):
-            state.error_dict[bucket_index] = torch.cat([p["error"] for p in pieces]).to(**like)
+            state.error_dict[bucket_index] = torch.cat([p["error"] for p in pieces if p]).to(**like)
         compressed = [
             (piece, q_at) for piece, (_, q_at) in zip(pieces, slices, strict=True) if q_at
         ]
         if compressed and all(piece and "q" in piece for piece, _ in compressed):
             # Q in the hook's order: grouped by matrix shape (see _slices).
             ordered = sorted(compressed, key=lambda item: item[1][0])
-            state.q_memory_dict[bucket_index] = torch.cat([p["q"] for p, _ in ordered]).to(**like)
+            q = torch.cat([p["q"] for p, _ in ordered if p])
+            state.q_memory_dict[bucket_index] = q.to(**like)
             # P is recomputed from Q before it is read; only its size matters.
             state.p_memory_dict[bucket_index] = torch.zeros(_p_size(state, layout), **like)
         for key, _ in layout:

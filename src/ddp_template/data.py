@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 import warnings
 from collections.abc import Iterator, Sized
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import lightning as L
 import numpy as np
@@ -70,9 +70,12 @@ class ShardedDataModule(L.LightningDataModule):
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
 
-    # Samples decoded on the CPU one by one (image files, per-image transforms): loader
-    # workers pay off. Subclasses whose data sits in memory as tensors keep False.
-    decoded_per_sample = False
+    @property
+    def decoded_per_sample(self) -> bool:
+        """Samples decoded on the CPU one by one (image files, per-image transforms): loader
+        workers pay off. Subclasses whose data sits in memory as tensors keep False; others
+        override it (with a property, or a plain class attribute)."""
+        return False
 
     def _build_source(self, name: str, options: dict[str, Any]) -> Any:
         if name not in self.sources:
@@ -120,7 +123,7 @@ class ShardedDataModule(L.LightningDataModule):
         if train:
             # Seeded by (seed, epoch): the same order on resume, and the same global order
             # whatever the number of ranks.
-            sampler = ResumableDistributedSampler(
+            sampler: DistributedSampler = ResumableDistributedSampler(
                 dataset,
                 num_replicas=world_size,
                 rank=rank,
@@ -299,16 +302,20 @@ class ResumableDataLoader(DataLoader):
         super().__init__(*args, **kwargs)
         self._batches_taken = 0
 
-    def __iter__(self) -> Iterator[Any]:
+    # torch types it as returning DataLoader's own iterator class; this one returns a
+    # generator over that iterator on purpose, to count the batches handed over.
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         # Started on the first batch, when Lightning has set the epoch: workers would
         # otherwise read the sampler before it.
         return self._batches()
 
     def _batches(self) -> Iterator[Any]:
         sampler = self.sampler
-        resume = getattr(sampler, "_resume", None)
-        resuming = resume is not None and resume[0] == getattr(sampler, "epoch", None)
-        self._batches_taken = resume[1] // self.batch_size if resuming else 0
+        resume: tuple[int, int] | None = getattr(sampler, "_resume", None)
+        self._batches_taken = 0
+        if resume is not None and resume[0] == getattr(sampler, "epoch", None):
+            # Set by load_state_dict, which does so only for a loader with a batch size.
+            self._batches_taken = resume[1] // cast(int, self.batch_size)
         for batch in super().__iter__():
             self._batches_taken += 1
             yield batch

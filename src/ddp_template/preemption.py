@@ -34,12 +34,15 @@ import subprocess
 import sys
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
+
+if TYPE_CHECKING:
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
 # A rank's exit code after its preemption checkpoint, as for a process ended by SIGTERM. Not
 # 0: torch's `record` would turn a SystemExit(0) into a normal return, and submitit would
@@ -117,7 +120,8 @@ class PreemptionCheckpoint(L.Callback):
         if not self._preemptible or (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
         # 2: some rank got the preemption signal, 1: only SIGTERM, 0: nothing.
-        mine = {None: 0, signal.SIGTERM: 1}.get(self._received, 2)
+        levels: dict[int | None, int] = {None: 0, signal.SIGTERM: 1}
+        mine = levels.get(self._received, 2)
         agreed = _max_over_ranks(trainer, mine)
         if agreed == 0:
             return
@@ -147,7 +151,8 @@ class PreemptionCheckpoint(L.Callback):
 
 def checkpoint_path(trainer: L.Trainer) -> Path:
     """`last.ckpt` beside the run's other checkpoints, where a resume looks for it."""
-    callback = trainer.checkpoint_callback
+    # Lightning types it as the Checkpoint base class; the run's is a ModelCheckpoint.
+    callback = cast("ModelCheckpoint | None", trainer.checkpoint_callback)
     folder = Path(callback.dirpath) if callback and callback.dirpath else None
     return (folder or Path(trainer.default_root_dir) / "checkpoints") / "last.ckpt"
 

@@ -12,7 +12,7 @@ import platform
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ddp_template import metrics as task_metrics
 from ddp_template.topology import available_cores, global_batch_size, global_batch_text
@@ -20,6 +20,7 @@ from ddp_template.topology import available_cores, global_batch_size, global_bat
 if TYPE_CHECKING:
     import lightning as L
     import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from omegaconf import DictConfig
 
 RESULTS_FILE = "results.json"
@@ -150,7 +151,9 @@ def _best_score(trainer: L.Trainer) -> float | None:
 
 def _checkpoints(trainer: L.Trainer) -> dict[str, str | None]:
     # callbacks.model_checkpoint keeps best.ckpt, callbacks.last_checkpoint last.ckpt.
-    paths = {Path(c.best_model_path).stem: c.best_model_path for c in trainer.checkpoint_callbacks}
+    # Lightning types them as the Checkpoint base class; the run's are ModelCheckpoints.
+    callbacks = cast("list[ModelCheckpoint]", trainer.checkpoint_callbacks)
+    paths = {Path(c.best_model_path).stem: c.best_model_path for c in callbacks}
     return {"best": paths.get("best") or None, "last": paths.get("last") or None}
 
 

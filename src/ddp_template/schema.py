@@ -18,7 +18,7 @@ import types
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, make_dataclass
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union, cast
 
 from hydra.utils import get_object
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -28,6 +28,9 @@ from ddp_template.callbacks.watchdog import ON_HANG
 from ddp_template.comm_hooks import COMM_HOOKS
 from ddp_template.debug import DISTRIBUTED_DEBUG_LEVELS
 from ddp_template.errors import ConfigError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 @dataclass
@@ -154,7 +157,8 @@ def parameter_default(target: str, name: str) -> Any:
 
 def _resolved(cfg: DictConfig) -> dict[str, Any]:
     try:
-        return OmegaConf.to_container(cfg, resolve=True)
+        # A DictConfig becomes a dict; OmegaConf types the result for any node.
+        return cast("dict[str, Any]", OmegaConf.to_container(cfg, resolve=True))
     except OmegaConfBaseException as err:
         key = err.full_key or "config"
         raise ConfigError(
@@ -203,7 +207,7 @@ def _instantiated(node: Any, path: str) -> Iterator[tuple[str, type, dict[str, A
 
 
 def _fields(schema: type) -> list[str]:
-    return list(schema.__dataclass_fields__)
+    return list(cast("type[DataclassInstance]", schema).__dataclass_fields__)
 
 
 @functools.cache
@@ -229,7 +233,8 @@ def signature_schema(target: str) -> type:
             fields.append((name, kind, field(default=MISSING)))
             if names:
                 choices[name] = names
-    schema = make_dataclass(f"{target.rsplit('.', 1)[-1]}Schema", fields)
+    # Any: the class gets three attributes of ours, read back with getattr.
+    schema: Any = make_dataclass(f"{target.rsplit('.', 1)[-1]}Schema", fields)
     schema.open_ended, schema.choices, schema.target = open_ended, choices, target
     return schema
 
@@ -266,7 +271,7 @@ def _field_type(annotation: Any, nullable: bool) -> tuple[Any, tuple]:
     plain = [m for m in members if m in _PRIMITIVES]
     names = [n for n in names if type(n) not in plain] + [None] * (nullable and bool(names))
     names += [True, False] * (bool in plain and bool(names))
-    kind = Union[tuple(dict.fromkeys(kinds))]  # noqa: UP007 - a Union built at run time
+    kind: Any = Union[tuple(dict.fromkeys(kinds))]  # noqa: UP007 - a Union built at run time
     return (kind | None if nullable else kind), tuple(names)
 
 
@@ -308,7 +313,9 @@ def _type_error(key: str, unknown: bool, schema: type, value: Any) -> ConfigErro
         )
     hint = _hints(schema)[name]
     default = (
-        parameter_default(target, name) if target else schema.__dataclass_fields__[name].default
+        parameter_default(target, name)
+        if target
+        else cast("type[DataclassInstance]", schema).__dataclass_fields__[name].default
     )
     fix = f"e.g. {key}={as_override(default)}" if _is_plain(default) else f"set {key}"
     return ConfigError(key, value, describe_type(hint), fix)
@@ -328,6 +335,7 @@ def _check_limit(key: str, value: Any, limit: Limit) -> None:
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         return
     low = limit.minimum
+    assert low is not None  # every Limit without names has a minimum
     if (value <= low) if limit.above else (value < low):
         allowed = f"{'>' if limit.above else '>='} {as_override(low)}{why}"
         example = low + 1 if limit.above else low

@@ -76,7 +76,9 @@ def _check_wandb_account(key: str) -> None:
         return
     host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
     try:
-        if netrc.netrc().authenticators(host):
+        # typeshed wants a str; a None host is looked up like an unknown one (the
+        # `default` entry), as it is here when WANDB_BASE_URL has no host.
+        if netrc.netrc().authenticators(host):  # type: ignore[arg-type]
             return
     except (FileNotFoundError, netrc.NetrcParseError):
         pass

@@ -16,11 +16,15 @@ from __future__ import annotations
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import lightning as L
 import torch
 
 from ddp_template.errors import TrainingStopped
+
+if TYPE_CHECKING:
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
 PROBE_PREFIX = ".shared-disk-check-"
 # A file just written on one node can take a moment to appear on another over NFS.
@@ -36,12 +40,15 @@ class SharedDiskCheck(L.Callback):
             return
         probe, token = None, None
         if trainer.is_global_zero:
-            folder = Path(trainer.checkpoint_callback.dirpath or trainer.default_root_dir)
+            # Lightning types it as the Checkpoint base class; the run's is a ModelCheckpoint.
+            callback = cast("ModelCheckpoint", trainer.checkpoint_callback)
+            folder = Path(callback.dirpath or trainer.default_root_dir)
             folder.mkdir(parents=True, exist_ok=True)
             token = uuid.uuid4().hex
             probe = folder / f"{PROBE_PREFIX}{token}"
             probe.write_text(token)
-        probe, token = trainer.strategy.broadcast((probe, token), src=0)
+        # Rank 0 set both before the broadcast.
+        probe, token = cast("tuple[Path, str]", trainer.strategy.broadcast((probe, token), src=0))
         seen = _reads_back(Path(probe), token)
         answer = torch.tensor([int(seen), trainer.node_rank], device=trainer.strategy.root_device)
         answers = trainer.strategy.all_gather(answer).reshape(-1, 2).cpu()

@@ -89,6 +89,7 @@ class SpeedMonitor(L.Callback):
         self._previous_end = end
         self._steps_seen += 1
         if self._steps_seen == self.warmup_batches:
+            assert self._first_start is not None  # set by on_train_batch_start
             self._warmup_time = end - self._first_start
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
