@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -46,9 +47,7 @@ def train(
     *overrides: str, cwd: Path, timeout: float = 600, check: bool = True
 ) -> subprocess.CompletedProcess:
     overrides = tuple(on_cpu_unless_told(overrides))
-    # Kept after the tests folder: a PYTHONPATH set by the caller (a copy of the project).
-    path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+    env = subprocess_env()
     proc = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *overrides],
         cwd=cwd,
@@ -63,6 +62,34 @@ def train(
             f"--- stdout ---\n{proc.stdout[-5000:]}\n--- stderr ---\n{proc.stderr[-5000:]}"
         )
     return proc
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment of a process a test starts: the tests folder importable (faults,
+    probes), kept before a PYTHONPATH set by the caller (a copy of the project)."""
+    path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def start(
+    args: list[str], cwd: Path, env: dict[str, str] | None = None, **popen: object
+) -> subprocess.Popen:
+    """Starts a command (train.py, torchrun) in the background, its output captured."""
+    return subprocess.Popen(
+        args,
+        cwd=cwd,
+        env=subprocess_env(**(env or {})),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def results(run_dir: Path) -> dict:

@@ -4,8 +4,6 @@ restarts. Every test runs real processes."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import CPU, FAST, ROOT, TESTS, results, train
+from conftest import CPU, FAST, ROOT, free_port, results, start, train
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 TINY_DDP = ["strategy=ddp", "devices=2", *FAST]
@@ -77,18 +75,9 @@ def test_grid_over_two_keys(tmp_path: Path) -> None:
     assert combos == {(0.05, 32), (0.05, 64), (0.1, 32), (0.1, 64)}
 
 
-def _start(args: list[str], cwd: Path, **kwargs) -> subprocess.Popen:
-    # Kept after the tests folder: a PYTHONPATH set by the caller (a copy of the project).
-    path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **kwargs.pop("env", {})}
-    return subprocess.Popen(
-        args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs
-    )
-
-
 def test_two_runs_side_by_side(tmp_path: Path) -> None:
     procs = [
-        _start([sys.executable, str(ROOT / "train.py"), *TINY_DDP], cwd=tmp_path) for _ in range(2)
+        start([sys.executable, str(ROOT / "train.py"), *TINY_DDP], cwd=tmp_path) for _ in range(2)
     ]
     outputs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
@@ -97,7 +86,7 @@ def test_two_runs_side_by_side(tmp_path: Path) -> None:
 
 
 def test_torchrun_trains_in_the_processes_it_started(tmp_path: Path) -> None:
-    proc = _start(
+    proc = start(
         [TORCHRUN, "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"), *TINY_DDP],
         cwd=tmp_path,
     )
@@ -110,19 +99,13 @@ def test_torchrun_trains_in_the_processes_it_started(tmp_path: Path) -> None:
     assert (job / ".hydra" / "config.yaml").is_file() and "Run summary" in out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_nodes_through_a_c10d_rendezvous(tmp_path: Path) -> None:
     """Two agents on one disk in separate working folders: the nodes see one file system, so
     the start-up check passes and node 1 reads rank 0's best.ckpt for the test."""
-    port = _free_port()
+    port = free_port()
     agents = [
-        _start(
+        start(
             [
                 TORCHRUN,
                 "--nnodes=2",
@@ -293,7 +276,7 @@ def test_a_worker_exception_is_shown_once_with_its_rank(tmp_path: Path) -> None:
 def test_tasks_started_by_srun_train_in_place(tmp_path: Path) -> None:
     """Two processes with the environment srun gives its tasks (no cluster needed): Lightning's
     SLURM environment ranks them, no launcher starts more, both agree on one job folder."""
-    port = _free_port()
+    port = free_port()
     tasks = []
     for rank in (0, 1):
         slurm_env = {
@@ -309,7 +292,7 @@ def test_tasks_started_by_srun_train_in_place(tmp_path: Path) -> None:
             "MASTER_PORT": str(port),
         }
         tasks.append(
-            _start([sys.executable, str(ROOT / "train.py"), *TINY_DDP], cwd=tmp_path, env=slurm_env)
+            start([sys.executable, str(ROOT / "train.py"), *TINY_DDP], cwd=tmp_path, env=slurm_env)
         )
     outputs = [t.communicate(timeout=300) for t in tasks]
     assert [t.returncode for t in tasks] == [0, 0], [o[1][-2000:] for o in outputs]

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import FAST, ROOT, TESTS, compose_train, results
+from conftest import FAST, ROOT, compose_train, free_port, results, start
 
 from ddp_template.checks import check_config
 from ddp_template.errors import ConfigError
@@ -22,31 +21,12 @@ TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 TRAIN = str(ROOT / "train.py")
 
 
-def _run(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
-    path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
-    full_env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.Popen(
-        args,
-        cwd=cwd,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # --- torchrun ------------------------------------------------------------------------
 
 
 @pytest.mark.slow
 def test_torchrun_without_devices_trains_one_job_of_two_ranks(tmp_path: Path) -> None:
-    proc = _run([TORCHRUN, "--standalone", "--nproc_per_node=2", TRAIN, *FAST], cwd=tmp_path)
+    proc = start([TORCHRUN, "--standalone", "--nproc_per_node=2", TRAIN, *FAST], cwd=tmp_path)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     written = list(tmp_path.glob("outputs/**/results.json"))
@@ -72,7 +52,7 @@ def test_torchrun_without_devices_trains_one_job_of_two_ranks(tmp_path: Path) ->
 def test_torchrun_refuses_on_every_rank_before_training(
     tmp_path: Path, override: str, message: str
 ) -> None:
-    proc = _run(
+    proc = start(
         [TORCHRUN, "--standalone", "--nproc_per_node=2", TRAIN, "strategy=ddp", override, *FAST],
         cwd=tmp_path,
     )
@@ -108,9 +88,9 @@ def _srun_task_env(rank: int, port: int) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_srun_tasks_take_devices_from_the_environment(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     tasks = [
-        _run([sys.executable, TRAIN, "strategy=ddp", *FAST], tmp_path, _srun_task_env(r, port))
+        start([sys.executable, TRAIN, "strategy=ddp", *FAST], tmp_path, _srun_task_env(r, port))
         for r in (0, 1)
     ]
     outputs = [t.communicate(timeout=300) for t in tasks]
@@ -236,7 +216,7 @@ def test_nodes_with_private_disks_stop_before_training(tmp_path: Path) -> None:
     if reason:
         pytest.skip(reason)
     (tmp_path / "outputs").mkdir()
-    port = _free_port()
+    port = free_port()
     agents = []
     for node in (0, 1):
         torchrun = [
@@ -253,7 +233,7 @@ def test_nodes_with_private_disks_stop_before_training(tmp_path: Path) -> None:
         ]
         script = 'mount -t tmpfs none outputs && exec "$@"'
         command = ["unshare", "--mount", "--propagation", "private", "bash", "-c", script, "-"]
-        agents.append(_run([*command, *torchrun], cwd=tmp_path))
+        agents.append(start([*command, *torchrun], cwd=tmp_path))
     outputs = [a.communicate(timeout=300) for a in agents]
     for agent, (out, err) in zip(agents, outputs, strict=True):
         assert agent.returncode != 0, err[-3000:]

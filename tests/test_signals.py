@@ -14,9 +14,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import FAST, ROOT, TESTS, train
+from conftest import CPU, FAST, ROOT, start, train
 
 LONG_DDP = [
+    CPU,
     "strategy=ddp",
     "devices=2",
     "data=synthetic",
@@ -34,17 +35,8 @@ LONG_DDP = [
 
 
 def _start(args: list[str], cwd: Path) -> subprocess.Popen:
-    path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
-    return subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *args],
-        cwd=cwd,
-        env={**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        # Its own process group, as a terminal's foreground job: Ctrl-C reaches every process.
-        start_new_session=True,
-    )
+    # Its own process group, as a terminal's foreground job: Ctrl-C reaches every process.
+    return start([sys.executable, str(ROOT / "train.py"), *args], cwd, start_new_session=True)
 
 
 @pytest.mark.slow

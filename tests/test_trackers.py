@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import FAST, compose_train, results, train
+from conftest import FAST, compose_train, free_port, results, train
 
 from ddp_template.errors import ConfigError
 from ddp_template.trackers import SERVER_TIMEOUT_S, check_trackers
@@ -21,17 +21,11 @@ from ddp_template.trackers import SERVER_TIMEOUT_S, check_trackers
 QUICK = [arg for arg in FAST if not arg.startswith("logger=")] + ["trainer.log_every_n_steps=1"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory):
     """`mlflow server` on localhost: a database store and artifacts served by the server."""
     root = tmp_path_factory.mktemp("mlflow")
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = (root / "server.log").open("w")
     server = subprocess.Popen(
