@@ -184,19 +184,36 @@ def _quiet_agent_logs() -> None:
     )
 
 
-def _failed_at(failure: Any) -> tuple[int, int]:
-    """A rank killed by a signal left no error file: in its second, it comes first (the
-    errors of the others are what its death caused)."""
+# What a rank reports when another rank died under it: a consequence, not the cause.
+_BROUGHT_DOWN = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "gloo/transport",
+    "distbackenderror",
+    "distnetworkerror",
+    "communicator was aborted",
+)
+
+
+def _failure_order(failure: Any) -> tuple[int, int, int]:
+    """The cause first: a rank killed by a signal (it left no error file), then a rank with
+    an error of its own, then ranks whose collectives broke because a peer died; within
+    each, by time (the agent's whole seconds, then when the error file was written)."""
     error_file = Path(failure.error_file)
     written = error_file.stat().st_mtime_ns if error_file.is_file() else 0
-    return failure.timestamp, written
+    if failure.exitcode < 0:
+        kind = 0
+    else:
+        message = failure.message
+        text = str(message.get("message", "") if isinstance(message, dict) else message).lower()
+        kind = 2 if any(marker in text for marker in _BROUGHT_DOWN) else 1
+    return kind, failure.timestamp, written
 
 
 def describe_failure(error: ChildFailedError, log_dir: Path) -> WorkerFailed:
-    """The first rank that failed (by time), why, its traceback, and where its logs are."""
-    # By the time each rank's error was written: the agent's own order goes by whole
-    # seconds, and the rank that failed first and those it brought down share one.
-    rank, failure = min(error.failures.items(), key=lambda item: _failed_at(item[1]))
+    """The rank whose failure caused the others', why, its traceback, and where its logs are."""
+    rank, failure = min(error.failures.items(), key=lambda item: _failure_order(item[1]))
     attempts = sorted(log_dir.glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
     rank_logs = attempts[-1] / str(failure.local_rank) if attempts else log_dir
     traceback = ""
