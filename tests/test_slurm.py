@@ -14,22 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TESTS, results, train
+from conftest import FAST, ROOT, TESTS, results, train
 
 # Two tasks of one CPU each, a few steps: a DDP job of a few seconds once started.
-TINY_SLURM = [
-    "-m",
-    "launcher=slurm",
-    "strategy=ddp",
-    "devices=2",
-    "trainer.max_epochs=1",
-    "trainer.limit_train_batches=3",
-    "trainer.limit_val_batches=2",
-    "trainer.limit_test_batches=2",
-    "trainer.num_sanity_val_steps=0",
-    "trainer.enable_model_summary=false",
-    "logger=none",
-]
+TINY_SLURM = ["-m", "launcher=slurm", "strategy=ddp", "devices=2", *FAST]
 
 
 def _node_cpus() -> list[int]:
@@ -216,7 +204,8 @@ def test_a_partition_that_does_not_exist_is_refused_before_queueing(slurm, tmp_p
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "hydra.launcher.partition='nosuch' is not valid" in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert _queued_jobs() == before and not (tmp_path / "multirun").exists()
+    # Nothing new queued (a job of an earlier test may finish meanwhile).
+    assert _queued_jobs() <= before and not (tmp_path / "multirun").exists()
 
 
 def test_more_devices_than_cpus_of_any_node_is_refused_before_queueing(slurm, tmp_path) -> None:
@@ -227,7 +216,8 @@ def test_more_devices_than_cpus_of_any_node_is_refused_before_queueing(slurm, tm
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"devices={too_many} is not valid" in proc.stderr and "CPUs" in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert _queued_jobs() == before and not (tmp_path / "multirun").exists()
+    # Nothing new queued (a job of an earlier test may finish meanwhile).
+    assert _queued_jobs() <= before and not (tmp_path / "multirun").exists()
 
 
 def test_a_sweep_over_devices_is_refused(slurm, tmp_path) -> None:
