@@ -10,12 +10,12 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.loggers import Logger
-from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.strategies import Strategy
 from omegaconf import DictConfig, OmegaConf
 
 from ddp_template.callbacks.shared_disk import SharedDiskCheck
-from ddp_template.comm_hooks import CommHookDDPStrategy
 from ddp_template.errors import ConfigError
+from ddp_template.node_check import NodeCheckedDDPStrategy
 from ddp_template.trackers import log_config
 
 
@@ -49,10 +49,13 @@ def build_strategy(cfg: DictConfig) -> Strategy | str:
     """`strategy=auto` stays Lightning's "auto" for one process and becomes DDP for several."""
     options = OmegaConf.to_container(cfg.strategy, resolve=True)
     name = options["name"]
+    # Compared between nodes before the process group starts (node_check).
+    node_config = OmegaConf.to_container(cfg, resolve=True)
     if name == "auto":
-        return DDPStrategy() if world_size(cfg) > 1 else "auto"
+        return NodeCheckedDDPStrategy(node_config=node_config) if world_size(cfg) > 1 else "auto"
     ddp_kwargs = {key: value for key, value in options.items() if key not in _STRATEGY_KEYS}
-    return CommHookDDPStrategy(
+    return NodeCheckedDDPStrategy(
+        node_config=node_config,
         comm_hook=options["comm_hook"],
         powersgd_rank=options["powersgd_rank"],
         powersgd_start_iter=options["powersgd_start_iter"],

@@ -14,6 +14,7 @@ of a second instead of importing them again. Otherwise they are spawned (fresh i
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import signal
@@ -26,10 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import (
+    ChildFailedError,
+    get_error_handler,
+    record,
+)
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from ddp_template.errors import TrainingStopped, WorkerFailed
+from ddp_template.errors import TrainingStopped, UserFacingError, WorkerFailed
 from ddp_template.world import started_by
 
 Worker = Callable[[dict[str, Any]], Any]
@@ -48,6 +53,28 @@ class JobLogsSpecs(DefaultLogsSpecs):
     def _make_log_dir(self, log_dir: str | None, rdzv_run_id: str) -> str:
         os.makedirs(str(log_dir), exist_ok=True)
         return str(log_dir)
+
+
+def record_failures(worker: Worker) -> Worker:
+    """torch's `@record` (the failing rank's error and traceback go to its error file, for
+    the agent's failure summary), except for a refusal under an external launcher: there
+    the rank prints its one paragraph and exits with code 2, and torchrun's summary shows
+    that exit code; a recorded traceback would bury the paragraph."""
+    recorded = record(worker)
+
+    @functools.wraps(worker)
+    def wrapper(config: dict[str, Any]) -> Any:
+        if not processes_started_externally():
+            return recorded(config)
+        try:
+            return worker(config)
+        except UserFacingError:
+            raise
+        except Exception as err:
+            get_error_handler().record_exception(err)
+            raise
+
+    return wrapper
 
 
 def launch(

@@ -17,10 +17,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddp_template import resolvers
 from ddp_template.errors import UserFacingError
+from ddp_template.launch import record_failures
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 # CUDA counted through NVML, as Lightning does once imported: a launching process that
@@ -105,7 +105,7 @@ def _report(err: UserFacingError) -> None:
     sys.exit(2)
 
 
-@record
+@record_failures
 def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     """What every rank runs. Returns rank 0's results (None on the other ranks)."""
     import lightning as L
@@ -113,6 +113,7 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     from ddp_template.build import build_task, build_trainer
     from ddp_template.compiling import compile_if_asked
     from ddp_template.debug import apply_debug_environment, explain_unused_parameters
+    from ddp_template.node_check import nodes_of_job
     from ddp_template.results import (
         RESULTS_FILE,
         WEIGHTS_FILE,
@@ -155,6 +156,7 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     results["restarts"] = _restart_count()
     results["requeues"] = _requeue_count()
     results["resumed_from"] = ckpt_path
+    results["nodes"] = nodes_of_job()
     write_json_atomic(job_dir / RESULTS_FILE, results)
     attach_results(trainer.loggers, job_dir / RESULTS_FILE, results)
     return results

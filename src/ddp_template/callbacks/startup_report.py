@@ -15,6 +15,7 @@ from rich.table import Table
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_template.callbacks.ddp_settings import read_ddp_settings
+from ddp_template.node_check import describe_nodes
 from ddp_template.resolvers import workers_per_rank
 from ddp_template.topology import available_cores, global_batch_text
 
@@ -57,6 +58,7 @@ def startup_rows(trainer: L.Trainer) -> tuple[list[tuple[str, str]], list[str]]:
         ),
         ("precision used", str(trainer.precision)),
         ("backend", _backend(trainer)),
+        ("network", describe_nodes()),
         ("DDP", _ddp_text(trainer)),
         ("sampler", _sampler_text(loader)),
         *_task_rows(trainer),

@@ -1,0 +1,465 @@
+"""A multi-node lab on one machine: N "nodes", each a network namespace with its own
+hostname, address, hosts file and CPU cores, joined through a switch by links of a chosen
+rate, so that multi-node jobs meet what real nodes have (another address, another
+interface, a link that costs time) instead of `127.0.0.1`.
+
+    python -m ddp_template.netlab up --nodes 2 --rate 1gbit      # idempotent
+    python -m ddp_template.netlab run 1 -- torchrun ... train.py   # a command on node 1
+    python -m ddp_template.netlab probe                            # the link's real rate
+    python -m ddp_template.netlab down
+
+Layout (root only; Linux network namespaces, iproute2's `ip` and `tc`):
+  <prefix>-sw        a namespace with a bridge: the switch, nothing else runs there
+  <prefix>-node<i>   node i: `eth0` = 10.213.<subnet>.<10+i>/24, hostname node<i>
+                     (or <prefix>-node<i> names when several labs exist at once)
+Each node's `eth0` and its switch port shape their egress with a token bucket (`tc tbf`),
+so a node sends and receives at the link rate. Names resolve through
+/etc/netns/<namespace>/hosts, which `ip netns exec` mounts over /etc/hosts: every hostname
+maps to its link address, or, to reproduce a common misconfiguration, a node's own name to
+a loopback address (`--own-hostname loopback|debian`). A command on a node runs pinned to
+that node's cores, optionally with a private disk (a tmpfs over a folder, in its own mount
+namespace), as nodes without a shared file system have. Traffic never leaves the lab's
+namespaces: its addresses exist nowhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ddp_template.errors import ConfigError, UserFacingError
+
+STATE_DIR = Path("/run/ddp-template-netlab")
+NETNS_ETC = Path("/etc/netns")
+# tc's rate units, in bits per second.
+_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+RATE_FORMAT = "a number and a unit of bits per second (e.g. 200mbit, 1gbit, 2.5gbit), or none"
+OWN_HOSTNAME = {
+    "link": "every hostname resolves to its node's link address (a cluster set up right)",
+    "loopback": "a node's own hostname resolves to 127.0.0.1 (as this machine's /etc/hosts)",
+    "debian": "a node's own hostname resolves to 127.0.1.1 (Debian's and Ubuntu's default)",
+}
+
+
+def parse_rate(text: str | None) -> int | None:
+    """Bits per second of a tc rate such as `200mbit` or `1gbit`; None for an unshaped link."""
+    if text is None or str(text).lower() in ("none", "unlimited", ""):
+        return None
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*", str(text).lower())
+    if not match or match.group(2) not in _UNITS or float(match.group(1)) <= 0:
+        raise ConfigError("--rate", text, RATE_FORMAT, "e.g. --rate 1gbit or --rate 200mbit")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def format_rate(bits_per_s: int | None) -> str:
+    if bits_per_s is None:
+        return "unshaped"
+    for unit in ("gbit", "mbit", "kbit"):
+        if bits_per_s >= _UNITS[unit]:
+            return f"{bits_per_s / _UNITS[unit]:.4g}{unit}"
+    return f"{bits_per_s}bit"
+
+
+@dataclass(frozen=True)
+class Node:
+    index: int
+    namespace: str
+    hostname: str
+    address: str
+    cores: tuple[int, ...]
+    interface: str = "eth0"
+
+
+@dataclass
+class Lab:
+    prefix: str
+    nodes: list[Node]
+    rate_bps: int | None
+    own_hostname: str = "link"
+    subnet: int = 0
+
+    # --- building and removing ---------------------------------------------------------
+
+    @classmethod
+    def up(
+        cls,
+        nodes: int = 2,
+        rate: str | None = "1gbit",
+        prefix: str = "ddplab",
+        own_hostname: str = "link",
+        cores_per_node: int | None = None,
+    ) -> Lab:
+        """Builds the lab, or returns the running one when it has this shape (a new rate is
+        applied in place). Needs root and network namespaces."""
+        if not isinstance(nodes, int) or nodes < 2:
+            raise ConfigError("--nodes", nodes, "an integer >= 2", "e.g. --nodes 2")
+        if own_hostname not in OWN_HOSTNAME:
+            raise ConfigError(
+                "--own-hostname", own_hostname, _choices(OWN_HOSTNAME), "--own-hostname link"
+            )
+        if not re.fullmatch(r"[a-z][a-z0-9]{0,9}", prefix):
+            raise ConfigError(
+                "--prefix",
+                prefix,
+                "1-10 lower-case letters and digits, starting with a letter",
+                "e.g. --prefix ddplab",
+            )
+        rate_bps = parse_rate(rate)
+        require_namespaces()
+        existing = cls.load(prefix)
+        if existing and len(existing.nodes) == nodes and existing.own_hostname == own_hostname:
+            existing.set_rate(rate_bps)
+            return existing
+        if existing:
+            existing.down()
+        lab = cls(
+            prefix,
+            _plan_nodes(prefix, nodes, cores_per_node),
+            rate_bps,
+            own_hostname,
+            _subnet_for(prefix),
+        )
+        lab.nodes = [
+            Node(n.index, n.namespace, n.hostname, f"10.213.{lab.subnet}.{10 + n.index}", n.cores)
+            for n in lab.nodes
+        ]
+        try:
+            lab._build()
+        except BaseException:
+            lab.down()
+            raise
+        return lab
+
+    def _build(self) -> None:
+        switch = self.switch
+        _ip("netns", "add", switch)
+        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", switch, "link", "set", "lo", "up")
+        for node in self.nodes:
+            port = f"p{node.index}"
+            _ip("netns", "add", node.namespace)
+            _ip(
+                "-n",
+                switch,
+                "link",
+                "add",
+                port,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                node.interface,
+                "netns",
+                node.namespace,
+            )
+            _ip("-n", switch, "link", "set", port, "master", "br0")
+            _ip("-n", switch, "link", "set", port, "up")
+            _ip("-n", node.namespace, "link", "set", "lo", "up")
+            _ip("-n", node.namespace, "addr", "add", f"{node.address}/24", "dev", node.interface)
+            _ip("-n", node.namespace, "link", "set", node.interface, "up")
+            self._write_hosts(node)
+        _ip("-n", switch, "link", "set", "br0", "up")
+        self.set_rate(self.rate_bps, force=True)
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        self._state_file().write_text(json.dumps(asdict(self), indent=2))
+
+    def set_rate(self, rate_bps: int | None, force: bool = False) -> None:
+        """Shapes every link (both directions) to `rate_bps`, or removes the shaping."""
+        if rate_bps == self.rate_bps and not force:
+            return
+        for node in self.nodes:
+            for namespace, device in (
+                (node.namespace, node.interface),
+                (self.switch, f"p{node.index}"),
+            ):
+                if rate_bps is None:
+                    subprocess.run(
+                        ["tc", "-n", namespace, "qdisc", "del", "dev", device, "root"],
+                        capture_output=True,
+                    )
+                    continue
+                # A burst of ~2 ms of traffic (at least 32 KiB): the sustained rate is the
+                # rate, without starving small messages.
+                burst = max(32 * 1024, rate_bps // 8 // 500)
+                _run(
+                    [
+                        "tc",
+                        "-n",
+                        namespace,
+                        "qdisc",
+                        "replace",
+                        "dev",
+                        device,
+                        "root",
+                        "tbf",
+                        "rate",
+                        f"{rate_bps}bit",
+                        "burst",
+                        str(burst),
+                        "latency",
+                        "50ms",
+                    ]
+                )
+        self.rate_bps = rate_bps
+        if self._state_file().parent.is_dir():
+            self._state_file().write_text(json.dumps(asdict(self), indent=2))
+
+    def down(self) -> None:
+        """Removes every namespace, hosts file and state of this lab (also of a half-built one)."""
+        for namespace in [n.namespace for n in self.nodes] + [self.switch]:
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+            shutil.rmtree(NETNS_ETC / namespace, ignore_errors=True)
+        self._state_file().unlink(missing_ok=True)
+
+    @classmethod
+    def load(cls, prefix: str = "ddplab") -> Lab | None:
+        state = STATE_DIR / f"{prefix}.json"
+        if not state.is_file():
+            return None
+        raw = json.loads(state.read_text())
+        raw["nodes"] = [Node(**{**n, "cores": tuple(n["cores"])}) for n in raw["nodes"]]
+        return cls(**raw)
+
+    # --- using it ------------------------------------------------------------------------
+
+    @property
+    def switch(self) -> str:
+        return f"{self.prefix}-sw"
+
+    def command(
+        self, index: int, args: Sequence[str], private_disk: str | Path | None = None
+    ) -> list[str]:
+        """The command line that runs `args` on node `index`: inside its network namespace,
+        with its hostname, on its cores, and with a tmpfs over `private_disk` if given."""
+        node = self.node(index)
+        script = 'hostname "$0"; '
+        unshare = ["unshare", "--uts"]
+        if private_disk is not None:
+            unshare += ["--mount", "--propagation", "private"]
+            script += (
+                f'mkdir -p "{private_disk}" && mount -t tmpfs none "{private_disk}" || exit 97; '
+            )
+        cores = ",".join(str(c) for c in node.cores)
+        script += f'exec taskset -c {cores} "$@"'
+        return [
+            "ip",
+            "netns",
+            "exec",
+            node.namespace,
+            *unshare,
+            "sh",
+            "-c",
+            script,
+            node.hostname,
+            *args,
+        ]
+
+    def popen(
+        self,
+        index: int,
+        args: Sequence[str],
+        private_disk: str | Path | None = None,
+        **popen: object,
+    ) -> subprocess.Popen:
+        return subprocess.Popen(self.command(index, args, private_disk), **popen)  # type: ignore[call-overload]
+
+    def node(self, index: int) -> Node:
+        if not 0 <= index < len(self.nodes):
+            raise ConfigError(
+                "node",
+                index,
+                f"a node of this lab: 0..{len(self.nodes) - 1}",
+                "give a node index from `netlab status`",
+            )
+        return self.nodes[index]
+
+    def probe(self, megabytes: int = 20, sender: int = 1, receiver: int = 0) -> float:
+        """The link's real rate in bit/s: one node sends `megabytes` to another over TCP."""
+        port = 5999
+        server = self.popen(
+            receiver,
+            [sys.executable, "-c", _PROBE_SERVER, str(port)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            target = self.node(receiver).address
+            code = _PROBE_CLIENT.format(host=target, port=port, megabytes=megabytes)
+            self.popen(sender, [sys.executable, "-c", code]).wait(timeout=120)
+            out, _ = server.communicate(timeout=60)
+        finally:
+            server.kill()
+        return float(out.strip())
+
+    def _write_hosts(self, node: Node) -> None:
+        lines = ["127.0.0.1 localhost"]
+        if self.own_hostname == "loopback":
+            lines[0] += f" {node.hostname}"
+        elif self.own_hostname == "debian":
+            lines.append(f"127.0.1.1 {node.hostname}")
+        for other in self.nodes:
+            if other is not node or self.own_hostname == "link":
+                lines.append(f"{other.address} {other.hostname}")
+        folder = NETNS_ETC / node.namespace
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "hosts").write_text("\n".join(lines) + "\n")
+
+    def _state_file(self) -> Path:
+        return STATE_DIR / f"{self.prefix}.json"
+
+    def describe(self) -> str:
+        rows = [
+            f"lab {self.prefix}: {len(self.nodes)} nodes, links {format_rate(self.rate_bps)}, own hostname: {OWN_HOSTNAME[self.own_hostname]}"
+        ]
+        for n in self.nodes:
+            rows.append(
+                f"  node {n.index}: hostname {n.hostname}, {n.interface} {n.address}, namespace {n.namespace}, cores {','.join(map(str, n.cores))}"
+            )
+        return "\n".join(rows)
+
+
+_PROBE_SERVER = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(1); s.settimeout(60)
+c, _ = s.accept(); n = 0; start = None
+while True:
+    b = c.recv(1 << 20)
+    if not b: break
+    start = start or time.perf_counter(); n += len(b)
+print(n * 8 / (time.perf_counter() - start))
+"""
+_PROBE_CLIENT = """
+import socket, time
+for _ in range(100):
+    try:
+        c = socket.create_connection(("{host}", {port}), timeout=5); break
+    except ConnectionRefusedError:
+        time.sleep(0.05)
+buf = b"x" * (1 << 20)
+for _ in range({megabytes}): c.sendall(buf)
+c.close()
+"""
+
+
+def require_namespaces() -> None:
+    """Stops with the reason when this machine cannot make the lab."""
+    missing = [tool for tool in ("ip", "tc", "unshare", "taskset") if shutil.which(tool) is None]
+    if missing:
+        raise UserFacingError(
+            f"The lab needs {', '.join(missing)} (iproute2, util-linux). Fix: apt-get install iproute2 util-linux"
+        )
+    if os.geteuid() != 0:
+        raise UserFacingError(
+            "The lab makes network namespaces, which needs root. Fix: run it as root (sudo)"
+        )
+    probe = f"ddpprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    if made.returncode != 0:
+        raise UserFacingError(
+            f"This machine cannot make network namespaces: {made.stderr.strip()}. Fix: run on a Linux host or a privileged container"
+        )
+
+
+def _plan_nodes(prefix: str, count: int, cores_per_node: int | None) -> list[Node]:
+    """Node i gets its own block of cores when there are enough (so a node computes as fast
+    as a one-node run on the same cores); with more nodes than cores they share."""
+    cores = sorted(os.sched_getaffinity(0))
+    per_node = cores_per_node or max(1, len(cores) // count)
+    nodes = []
+    for i in range(count):
+        first = (i * per_node) % len(cores)
+        mine = tuple(cores[(first + k) % len(cores)] for k in range(min(per_node, len(cores))))
+        hostname = f"node{i}" if prefix == "ddplab" else f"{prefix}-node{i}"
+        nodes.append(Node(i, f"{prefix}-node{i}", hostname, "", mine))
+    return nodes
+
+
+def _subnet_for(prefix: str) -> int:
+    """A /24 per lab, so that labs side by side never share addresses."""
+    return sum(prefix.encode()) % 200 + 1
+
+
+def _choices(options: dict[str, str]) -> str:
+    return "one of " + "; ".join(f"{k} ({v})" for k, v in options.items())
+
+
+def _ip(*args: str) -> None:
+    _run(["ip", *args])
+
+
+def _run(args: list[str]) -> None:
+    done = subprocess.run(args, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise UserFacingError(f"`{' '.join(args)}` failed: {done.stderr.strip()}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ddp_template.netlab", description=__doc__.split("\n\n")[0]
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="build the lab (or reshape the running one)")
+    up.add_argument("--nodes", type=int, default=2)
+    up.add_argument("--rate", default="1gbit", help=RATE_FORMAT)
+    up.add_argument("--own-hostname", default="link", choices=list(OWN_HOSTNAME))
+    up.add_argument("--cores-per-node", type=int, default=None)
+    run = sub.add_parser(
+        "run", help="run a command on one node: run NODE [--private-disk DIR] -- CMD ..."
+    )
+    run.add_argument("node", type=int)
+    run.add_argument("--private-disk", default=None)
+    run.add_argument("cmd", nargs=argparse.REMAINDER)
+    sub.add_parser("status")
+    sub.add_parser("probe", help="measure the link's rate (node 1 sends to node 0)")
+    sub.add_parser("down")
+    for p in sub.choices.values():
+        p.add_argument("--prefix", default="ddplab")
+    args = parser.parse_args(argv)
+    try:
+        return _dispatch(args)
+    except UserFacingError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "up":
+        print(
+            Lab.up(
+                args.nodes, args.rate, args.prefix, args.own_hostname, args.cores_per_node
+            ).describe()
+        )
+        return 0
+    lab = Lab.load(args.prefix)
+    if lab is None:
+        if args.command == "down":
+            return 0
+        raise UserFacingError(
+            f"No lab named {args.prefix} is up. Fix: python -m ddp_template.netlab up --prefix {args.prefix}"
+        )
+    if args.command == "down":
+        lab.down()
+    elif args.command == "status":
+        print(lab.describe())
+    elif args.command == "probe":
+        print(
+            f"measured {format_rate(int(lab.probe()))} (links shaped to {format_rate(lab.rate_bps)})"
+        )
+    else:
+        cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+        return subprocess.call(lab.command(args.node, cmd, args.private_disk))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
