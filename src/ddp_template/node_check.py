@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from dataclasses import asdict
@@ -65,10 +66,10 @@ def start_process_group(
     timeout: timedelta,
     device_id: Any = None,
 ) -> list[dict[str, Any]]:
-    """Runs the checks above, then `init_process_group`; returns every rank's endpoint."""
-    network = config.get("network") or {}
-    wait = timedelta(seconds=float(network.get("timeout_s", 60)))
-    endpoint = choose_endpoint(main_address, node_rank, num_nodes, network.get("interface"))
+    """Runs the checks above, then `init_process_group`; returns every rank's endpoint.
+    `config` is the flat config the nodes compare (`comparable_config`)."""
+    wait = timedelta(seconds=float(config.get("network.timeout_s", 45)))
+    endpoint = choose_endpoint(main_address, node_rank, num_nodes, config.get("network.interface"))
     use_endpoint(endpoint)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = main_address, str(main_port)
     store = _rendezvous_store(rank, world_size, wait, endpoint, main_address, main_port)
@@ -81,13 +82,19 @@ def start_process_group(
     listener = _listen(endpoint.address) if leader else None
     mine = {**asdict(endpoint), "rank": rank, "node_rank": node_rank}
     if leader:
-        mine["config"] = _flat(config)
+        mine["config"] = config
         mine["probe_port"] = listener.getsockname()[1] if listener else None
     board.set(f"rank/{rank}", json.dumps(mine))
-    ranks = _gather(board, world_size, wait, endpoint, node_rank)
+    where = f"{main_address}:{main_port}"
+    ranks = _gather(board, world_size, wait, endpoint, node_rank, where)
     if leader:
         board.set(f"reach/{node_rank}", json.dumps(_probe_peers(ranks, node_rank, num_nodes)))
-    verdict = _verdict(board, ranks, rank, num_nodes, wait)
+    try:
+        verdict = _verdict(board, ranks, rank, num_nodes, wait)
+    except NodesDisagree:
+        raise
+    except Exception:
+        raise _store_gone(rank, endpoint, node_rank, where) from None
     if listener is not None:
         listener.close()
     if verdict:
@@ -123,12 +130,17 @@ def _rendezvous_store(rank, world_size, wait, endpoint: Endpoint, address: str, 
     return store
 
 
-def _gather(board, world_size: int, wait: timedelta, endpoint: Endpoint, node_rank: int):
+def _gather(
+    board, world_size: int, wait: timedelta, endpoint: Endpoint, node_rank: int, where: str
+):
     keys = [f"rank/{r}" for r in range(world_size)]
     try:
         board.wait(keys, wait)
     except Exception:
-        missing = [r for r, key in enumerate(keys) if not board.check([key])]
+        try:
+            missing = [r for r, key in enumerate(keys) if not board.check([key])]
+        except Exception:
+            raise _store_gone(int(os.environ.get("RANK", -1)), endpoint, node_rank, where) from None
         raise NodesDisagree(
             f"Rank(s) {', '.join(map(str, missing))} did not reach the start of the job "
             f"within {wait.total_seconds():.0f} s (seen from node {node_rank}, "
@@ -138,6 +150,14 @@ def _gather(board, world_size: int, wait: timedelta, endpoint: Endpoint, node_ra
             "far apart"
         ) from None
     return [json.loads(board.get(key)) for key in keys]
+
+
+def _store_gone(rank: int, endpoint: Endpoint, node_rank: int, where: str) -> NodesDisagree:
+    return NodesDisagree(
+        f"The job's rendezvous store at {where} closed while rank {rank} on node {node_rank} "
+        f"({endpoint.hostname}) waited at the start of the job: the node that hosts it "
+        "stopped. Fix: see node 0's output for why (its message names the cause)"
+    )
 
 
 def _listen(address: str) -> socket.socket | None:
@@ -239,6 +259,17 @@ def _differing_keys(leaders: dict[int, dict[str, Any]]) -> list[tuple[str, dict[
         if len({json.dumps(v, sort_keys=True) for v in values.values()}) > 1:
             differing.append((key, values))
     return differing
+
+
+def comparable_config(cfg: Any) -> dict[str, Any]:
+    """The resolved config the nodes compare, less the keys that only repeat another key
+    (`seed: ${seed}`): a difference is named once, where it was set."""
+    from omegaconf import OmegaConf
+
+    raw = _flat(OmegaConf.to_container(cfg, resolve=False))
+    resolved = _flat(OmegaConf.to_container(cfg, resolve=True))
+    repeats = {k for k, v in raw.items() if isinstance(v, str) and re.fullmatch(r"\$\{[\w.]+\}", v)}
+    return {k: v for k, v in resolved.items() if k not in repeats}
 
 
 def _flat(config: Any, prefix: str = "") -> dict[str, Any]:

@@ -68,6 +68,14 @@ class Debug:
 
 
 @dataclass
+class Network:
+    """`network.*`: how the nodes of a job find each other (node_check, network)."""
+
+    interface: str | None = None
+    timeout_s: float = 45
+
+
+@dataclass
 class Benchmark:
     warmup_steps: int = 5
     steps: int = 20
@@ -106,6 +114,9 @@ LIMITS: dict[str, Limit] = {
     "data.batch_size": Limit(1),
     "data.num_workers": Limit(0),
     "data.prefetch_factor": Limit(1),
+    "network.timeout_s": Limit(
+        0, above=True, why="seconds each rank waits for the others at start"
+    ),
     "benchmark.warmup_steps": Limit(0),
     "benchmark.steps": Limit(1),
     "debug.flight_recorder": Limit(0),
@@ -178,7 +189,7 @@ def _schemas(values: dict[str, Any]) -> Iterator[tuple[str, type, dict[str, Any]
         )
     yield "trainer", trainer, values.get("trainer") or {}
     yield "strategy", Strategy, values["strategy"]
-    for key, schema in (("debug", Debug), ("benchmark", Benchmark)):
+    for key, schema in (("debug", Debug), ("benchmark", Benchmark), ("network", Network)):
         if values.get(key):
             yield key, schema, {k: v for k, v in values[key].items() if k in _fields(schema)}
     task = values.get("task") or {}

@@ -111,6 +111,7 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     import lightning as L
 
     from ddp_template.build import build_task, build_trainer
+    from ddp_template.callbacks.ddp_settings import DDPSettingsMonitor
     from ddp_template.compiling import compile_if_asked
     from ddp_template.debug import apply_debug_environment, explain_unused_parameters
     from ddp_template.node_check import nodes_of_job
@@ -157,6 +158,8 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     results["requeues"] = _requeue_count()
     results["resumed_from"] = ckpt_path
     results["nodes"] = nodes_of_job()
+    monitors = [c for c in trainer.callbacks if isinstance(c, DDPSettingsMonitor)]
+    results["gradients"] = monitors[0].gradients if monitors else None
     write_json_atomic(job_dir / RESULTS_FILE, results)
     attach_results(trainer.loggers, job_dir / RESULTS_FILE, results)
     return results

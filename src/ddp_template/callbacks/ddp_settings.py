@@ -32,6 +32,14 @@ class DDPSettingsMonitor(L.Callback):
     (including ddp_spawn, where only metrics travel back to the main process).
     """
 
+    def __init__(self) -> None:
+        # The gradients' layout and DDP's compute timers, read while the wrapper exists
+        # (Lightning unwraps the model when fit ends); results.json's `gradients`.
+        self.gradients: dict[str, object] | None = None
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.gradients = gradient_layout(trainer.strategy.model)
+
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         settings = read_ddp_settings(trainer.strategy.model)
         if settings:
@@ -41,3 +49,26 @@ class DDPSettingsMonitor(L.Callback):
                 on_epoch=True,
                 sync_dist=False,
             )
+
+
+def gradient_layout(model: object) -> dict[str, object] | None:
+    """What the communication costs per step, from the live DDP wrapper: every gradient's
+    shape in the order DDP buckets them (the reverse of `parameters()`), the buckets' sizes
+    and the last sampled forward and backward compute times (DDP's own timers). This is
+    what `python -m ddp_template.scaling` predicts other node counts from."""
+    if not isinstance(model, DistributedDataParallel):
+        return None
+    import torch
+
+    trained = [p for p in model.module.parameters() if p.requires_grad]
+    logged = model._get_ddp_logging_data()
+    buckets = [int(b) for b in str(logged.get("bucket_sizes", "")).split(",") if b.strip()]
+    return {
+        "shapes": [list(p.shape) for p in reversed(trained)],
+        "element_bytes": trained[0].element_size() if trained else 4,
+        "total_bytes": sum(p.numel() * p.element_size() for p in trained),
+        "bucket_bytes": buckets,
+        "forward_compute_s": logged.get("forward_compute_time", 0) / 1e9,
+        "backward_compute_s": logged.get("backward_compute_time", 0) / 1e9,
+        "torch_threads": torch.get_num_threads(),
+    }

@@ -1,0 +1,348 @@
+"""Predicts a run's step time at N nodes from one measured run, for each communication hook
+and bucket size, and recommends the pair that is fastest.
+
+    python -m ddp_template.scaling outputs/<run> --nodes 2,4,8,16 --link 1gbit
+
+The run (any run with `strategy=ddp`, one node is enough; `experiment=benchmark` measures
+step times best) gives the compute per step, the data-loader wait and every gradient's
+shape (results.json: `step_time_median_s`, `data_wait_fraction`, `gradients`). The model,
+per step (docs/nodes.md, "The model"):
+
+- compute: forward F, backward B, the rest R (optimizer, loop), from the run; the data
+  wait D as measured. A hook's own work (casting to half width, PowerSGD's matrix
+  products), measured here by a short probe on this machine's cores, is added to B.
+- buckets: DDP groups the gradients, last layer first, into buckets of `bucket_cap_mb`
+  (the first one 1 MiB when it is PyTorch's default). A bucket can be sent once the
+  backward has produced its gradients: bucket k is ready at F + (B + H) * (bytes up to and
+  including k) / (all bytes).
+- ring all-reduce: W ranks each send and receive 2 (W - 1) / W of a bucket's bytes through
+  their node's link of L bit/s, in 2 (W - 1) steps of latency a each:
+      t_k = 2 (W - 1) / W * bytes_k * c / (L / 8) + 2 (W - 1) * a
+  c is the hook's compression: 1 (none), 1/2 (fp16, bf16), and for PowerSGD of rank r the
+  factors (n + m) r instead of n m for each matrix gradient (vectors are sent whole).
+- overlap: buckets are sent one after another, each starting when it is ready and the
+  previous one is done; the step ends when both the backward and the last bucket are done:
+      step = max(F + B + H, end of the last bucket) + R + D
+  and "exposed communication" is what the all-reduce adds beyond the backward.
+
+Scaling efficiency is one node's step time over the predicted one (the batch per device
+stays the same, so N nodes process N times the samples per step at efficiency 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ddp_template.errors import ConfigError, UserFacingError
+from ddp_template.netlab import format_rate, parse_rate
+
+HOOKS = ("none", "fp16", "bf16", "powersgd")
+BUCKET_CHOICES_MB = (1, 5, 10, 25, 50, 100)
+# PyTorch's default: 25 MiB buckets, the first one 1 MiB (torch.distributed's
+# _DEFAULT_FIRST_BUCKET_BYTES).
+DEFAULT_BUCKET_MB = 25
+FIRST_BUCKET_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """What the model needs from one run's results.json."""
+
+    step_s: float
+    data_wait_s: float
+    forward_s: float
+    backward_s: float
+    shapes: list[list[int]]
+    element_bytes: int
+    samples_per_step_per_device: int
+    devices_per_node: int
+    nodes: int
+    bucket_cap_mb: float | None
+    threads: int
+    powersgd_rank: int
+
+    @property
+    def rest_s(self) -> float:
+        return max(0.0, self.step_s - self.data_wait_s - self.forward_s - self.backward_s)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    nodes: int
+    hook: str
+    bucket_cap_mb: float | None
+    compute_s: float
+    exposed_comm_s: float
+    data_wait_s: float
+    step_s: float
+    samples_per_s: float
+    efficiency: float
+
+
+def load_run(job: Path) -> MeasuredRun:
+    results = job / "results.json"
+    if not results.is_file():
+        raise ConfigError(
+            "job folder",
+            str(job),
+            "a run's folder holding results.json",
+            "give the folder a run printed as its output folder, e.g. outputs/<date>/<time>",
+        )
+    record = json.loads(results.read_text())
+    gradients = record.get("gradients")
+    step = record.get("step_time_median_s")
+    if not gradients or not step:
+        raise ConfigError(
+            "job folder",
+            str(job),
+            "a run trained with strategy=ddp (results.json needs `gradients` and "
+            "`step_time_median_s`; this run has "
+            f"{'no DDP wrapper' if not gradients else 'no measured step'})",
+            "measure one: python train.py experiment=benchmark strategy=ddp devices=1",
+        )
+    config = record.get("config", {})
+    strategy = config.get("strategy", {})
+    data_wait = float(step) * float(record.get("data_wait_fraction") or 0.0)
+    forward, backward = (
+        float(gradients["forward_compute_s"]),
+        float(gradients["backward_compute_s"]),
+    )
+    # DDP times one sampled step; the median step is the better total: keep DDP's split.
+    scale = min(1.0, (float(step) - data_wait) / max(forward + backward, 1e-9))
+    return MeasuredRun(
+        step_s=float(step),
+        data_wait_s=data_wait,
+        forward_s=forward * scale,
+        backward_s=backward * scale,
+        shapes=gradients["shapes"],
+        element_bytes=int(gradients["element_bytes"]),
+        samples_per_step_per_device=int(record["batch_size_per_device"])
+        * int(record.get("accumulate_grad_batches") or 1),
+        devices_per_node=int(record.get("devices_per_node") or 1),
+        nodes=int(record.get("num_nodes") or 1),
+        bucket_cap_mb=(record.get("ddp") or {}).get("bucket_cap_mb")
+        if strategy.get("bucket_cap_mb") is not None
+        else None,
+        threads=int(gradients.get("torch_threads") or 1),
+        powersgd_rank=int(strategy.get("powersgd_rank") or 1),
+    )
+
+
+def buckets(shapes: list[list[int]], element_bytes: int, cap_mb: float | None) -> list[list[int]]:
+    """Indices of the gradients in each bucket, in the order DDP fills and sends them."""
+    cap = int((cap_mb or DEFAULT_BUCKET_MB) * 2**20)
+    first = FIRST_BUCKET_BYTES if cap_mb is None else cap
+    groups: list[list[int]] = [[]]
+    size = 0
+    for index, shape in enumerate(shapes):
+        nbytes = math.prod(shape) * element_bytes
+        limit = first if len(groups) == 1 else cap
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(index)
+        size += nbytes
+    return groups
+
+
+def sent_bytes(shape: list[int], element_bytes: int, hook: str, rank: int) -> float:
+    """Bytes the hook puts on the wire for one gradient."""
+    count = math.prod(shape)
+    if hook in ("fp16", "bf16"):
+        return count * 2
+    if hook == "powersgd" and len(shape) > 1:
+        n, m = shape[0], count // shape[0]
+        r = min(rank, n, m)
+        return min(count, (n + m) * r) * element_bytes
+    return count * element_bytes
+
+
+def probe_hook_costs(run: MeasuredRun, hooks: Sequence[str]) -> dict[str, float]:
+    """Seconds of compute each hook adds per step on this machine (the probe runs on the
+    run's thread count): the casts of the half-width hooks, PowerSGD's products."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(run.threads)
+    try:
+        return {hook: _time_hook(run, hook) for hook in hooks}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _time_hook(run: MeasuredRun, hook: str) -> float:
+    import torch
+
+    if hook == "none":
+        return 0.0
+    grads = [torch.randn(math.prod(s)) for s in run.shapes]
+
+    def once() -> None:
+        for grad, shape in zip(grads, run.shapes, strict=True):
+            if hook in ("fp16", "bf16"):
+                half = grad.to(torch.float16 if hook == "fp16" else torch.bfloat16)
+                half.div_(2)
+                grad.copy_(half)
+            elif len(shape) > 1:
+                matrix = grad.view(shape[0], -1)
+                n, m = matrix.shape
+                r = min(run.powersgd_rank, n, m)
+                q = torch.randn(m, r)
+                p = matrix @ q
+                p, _ = torch.linalg.qr(p)
+                q = matrix.t() @ p
+                matrix.sub_(p @ q.t())  # the error feedback's update
+
+    once()
+    start = time.perf_counter()
+    repeats = 3
+    for _ in range(repeats):
+        once()
+    return (time.perf_counter() - start) / repeats
+
+
+def predict(
+    run: MeasuredRun,
+    nodes: int,
+    hook: str,
+    link_bps: float,
+    hook_cost_s: float,
+    bucket_cap_mb: float | None,
+    latency_s: float = 50e-6,
+) -> Prediction:
+    world = nodes * run.devices_per_node
+    backward = run.backward_s + hook_cost_s
+    compute_end = run.forward_s + backward
+    groups = buckets(run.shapes, run.element_bytes, bucket_cap_mb)
+    sizes = [sum(math.prod(run.shapes[i]) * run.element_bytes for i in g) for g in groups]
+    total = sum(sizes) or 1
+    end = 0.0
+    done_bytes = 0
+    if world > 1:
+        ring = 2 * (world - 1) / world
+        for group, nbytes in zip(groups, sizes, strict=True):
+            done_bytes += nbytes
+            ready = run.forward_s + backward * done_bytes / total
+            wire = sum(
+                sent_bytes(run.shapes[i], run.element_bytes, hook, run.powersgd_rank) for i in group
+            )
+            # PowerSGD makes two all-reduces per bucket (P, then Q): twice the latency.
+            rounds = 2 if hook == "powersgd" else 1
+            seconds = ring * wire * 8 / link_bps + rounds * 2 * (world - 1) * latency_s
+            end = max(end, ready) + seconds
+    exposed = max(0.0, end - compute_end)
+    step = compute_end + exposed + run.rest_s + run.data_wait_s
+    samples = world * run.samples_per_step_per_device / step
+    one_node = run.forward_s + run.backward_s + run.rest_s + run.data_wait_s
+    return Prediction(
+        nodes,
+        hook,
+        bucket_cap_mb,
+        compute_end + run.rest_s,
+        exposed,
+        run.data_wait_s,
+        step,
+        samples,
+        one_node / step,
+    )
+
+
+def parse_nodes(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in str(text).split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or any(count < 1 for count in counts):
+        raise ConfigError(
+            "--nodes", text, "node counts >= 1, separated by commas", "e.g. --nodes 2,4,8,16"
+        )
+    return counts
+
+
+def report(
+    run: MeasuredRun,
+    counts: list[int],
+    link_bps: float,
+    hooks: Sequence[str],
+    latency_s: float,
+    costs: dict[str, float],
+) -> list[str]:
+    lines = [
+        f"measured: step {run.step_s:.3f} s (forward {run.forward_s:.3f}, backward "
+        f"{run.backward_s:.3f}, rest {run.rest_s:.3f}, data wait {run.data_wait_s:.3f}), "
+        f"{sum(math.prod(s) for s in run.shapes) * run.element_bytes / 2**20:.1f} MiB of "
+        f"gradients, {run.devices_per_node} device(s) per node; link {format_rate(int(link_bps))}",
+        "hook compute per step (probe): "
+        + ", ".join(f"{h} {costs[h] * 1000:.0f} ms" for h in hooks),
+    ]
+    bucket = run.bucket_cap_mb
+    for count in counts:
+        for hook in hooks:
+            p = predict(run, count, hook, link_bps, costs[hook], bucket, latency_s)
+            lines.append(
+                f"nodes={count} hook={hook} bucket_cap_mb={_mb(bucket)} compute {p.compute_s:.3f} s "
+                f"exposed comm {p.exposed_comm_s:.3f} s data wait {p.data_wait_s:.3f} s "
+                f"predicted step time: {p.step_s:.3f} s  samples/s {p.samples_per_s:.1f}  "
+                f"scaling efficiency {p.efficiency:.0%}"
+            )
+    for count in counts:
+        best = min(
+            (
+                predict(run, count, hook, link_bps, costs[hook], cap, latency_s)
+                for hook in hooks
+                for cap in (None, *BUCKET_CHOICES_MB)
+            ),
+            key=lambda p: p.step_s,
+        )
+        lines.append(
+            f"recommended at nodes={count}: strategy.comm_hook={best.hook} "
+            f"strategy.bucket_cap_mb={_mb(best.bucket_cap_mb)} (predicted step {best.step_s:.3f} s, "
+            f"scaling efficiency {best.efficiency:.0%})"
+        )
+    return lines
+
+
+def _mb(cap: float | None) -> str:
+    return "null" if cap is None else f"{cap:g}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ddp_template.scaling", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("job", type=Path, help="a run's folder (its results.json)")
+    parser.add_argument("--nodes", default="2,4,8,16", help="node counts, e.g. 2,4,8,16")
+    parser.add_argument("--link", default="10gbit", help="each node's link rate, e.g. 1gbit")
+    parser.add_argument("--latency-us", type=float, default=50.0, help="per message hop")
+    parser.add_argument("--hooks", default=",".join(HOOKS))
+    args = parser.parse_args(argv)
+    try:
+        counts = parse_nodes(args.nodes)
+        link = parse_rate(args.link)
+        if link is None:
+            raise ConfigError("--link", args.link, "a link rate", "e.g. --link 1gbit")
+        hooks = [h for h in args.hooks.split(",") if h]
+        unknown = [h for h in hooks if h not in HOOKS]
+        if unknown or not hooks:
+            raise ConfigError(
+                "--hooks", args.hooks, f"names from {', '.join(HOOKS)}", "--hooks none,fp16"
+            )
+        run = load_run(args.job)
+        costs = probe_hook_costs(run, hooks)
+        for line in report(run, counts, float(link), hooks, args.latency_us * 1e-6, costs):
+            print(line)
+    except UserFacingError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
