@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from ddp_template.netlab import Lab, format_rate, parse_rate  # noqa: E402
-from ddp_template.scaling import load_run, predict, probe_hook_costs  # noqa: E402
+from ddp_template.scaling import Link, load_run, predict, probe_hook_costs  # noqa: E402
 
 RECIPES = ["baseline", "amp", "data", "comm"]
 HOOK_SETTINGS = ["fp16", "bf16", "powersgd"]
@@ -87,7 +87,7 @@ def two_node_run(lab: Lab, folder: Path, overrides: list[str], port: int, timeou
             *overrides,
             f"hydra.run.dir={folder}",
         ]
-        log = logs.enter_context(open(folder / f"node{node}.log", "w"))
+        log = logs.enter_context((folder / f"node{node}.log").open("w"))
         procs.append(lab.popen(node, command, stdout=log, stderr=log, cwd=folder))
     deadline = time.monotonic() + timeout
     with logs:
@@ -144,6 +144,12 @@ def main() -> int:
         for rate in rates:
             lab.set_rate(parse_rate(rate))
             link = lab.probe(megabytes=20 if parse_rate(rate) >= 5e8 else 8)
+            probed = Link.probed(
+                lab.allreduce_probe(megabytes=16 if parse_rate(rate) >= 5e8 else 8)
+            )
+            print(
+                f"{rate}: TCP {format_rate(int(link))}; all-reduce {probed.describe()}", flush=True
+            )
             for name, recipe, overrides in settings(args.tiny):
                 port += 1
                 folder = args.out / rate / name.replace("=", "-")
@@ -172,7 +178,7 @@ def _bucket_of(overrides: list[str], recipe: str) -> float | None:
     return 50.0 if recipe == "comm" else None
 
 
-def _row(rate, link, name, recipe, overrides, record, reference, costs) -> dict:
+def _row(rate, link, probed, name, recipe, overrides, record, reference, costs) -> dict:
     hook = _hook_of(overrides, recipe)
     step = float(record["step_time_median_s"])
     wait = step * float(record.get("data_wait_fraction") or 0)

@@ -299,6 +299,40 @@ class Lab:
             server.kill()
         return float(out.strip())
 
+    def allreduce_probe(self, megabytes: float = 16, port: int = 29899) -> dict:
+        """A short gloo all-reduce between all nodes (`ddp_template.allreduce_probe`): the
+        latency per hop and the effective bandwidth per dtype, as rank 0 measured them."""
+        master = f"{self.nodes[0].address}:{port}"
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": self.nodes[0].interface}
+        procs = [
+            self.popen(
+                n.index,
+                [
+                    sys.executable,
+                    "-m",
+                    "ddp_template.allreduce_probe",
+                    "--rank",
+                    str(n.index),
+                    "--world",
+                    str(len(self.nodes)),
+                    "--master",
+                    master,
+                    "--megabytes",
+                    str(megabytes),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for n in self.nodes
+        ]
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+        if any(p.returncode for p in procs):
+            raise UserFacingError(
+                f"The all-reduce probe failed on the lab {self.prefix}. Fix: check `netlab status`"
+            )
+        return json.loads(outputs[0].strip().splitlines()[-1])
+
     def _write_hosts(self, node: Node) -> None:
         lines = ["127.0.0.1 localhost"]
         if self.own_hostname == "loopback":

@@ -39,6 +39,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ddp_template.errors import ConfigError, UserFacingError
 from ddp_template.netlab import format_rate, parse_rate
@@ -71,6 +72,32 @@ class MeasuredRun:
     @property
     def rest_s(self) -> float:
         return max(0.0, self.step_s - self.data_wait_s - self.forward_s - self.backward_s)
+
+
+@dataclass(frozen=True)
+class Link:
+    """Each node's link: the effective all-reduce bandwidth per dtype on the wire, and the
+    latency of one ring hop. A rate (`--link 1gbit`) gives the same bandwidth to every
+    dtype; a probe of the lab (`--link lab`) measures each."""
+
+    bandwidth_bps: dict[str, float]
+    latency_s: float = 50e-6
+
+    @classmethod
+    def rated(cls, bits_per_s: float, latency_s: float = 50e-6) -> Link:
+        return cls({dtype: bits_per_s for dtype in WIRE_DTYPE.values()}, latency_s)
+
+    @classmethod
+    def probed(cls, measured: dict[str, Any]) -> Link:
+        return cls(dict(measured["bandwidth_bps"]), float(measured["latency_s"]))
+
+    def describe(self) -> str:
+        rates = ", ".join(f"{d} {format_rate(int(b))}" for d, b in self.bandwidth_bps.items())
+        return f"{rates}; {self.latency_s * 1e6:.0f} us per hop"
+
+
+# What each hook puts on the wire.
+WIRE_DTYPE = {"none": "float32", "fp16": "float16", "bf16": "bfloat16", "powersgd": "float32"}
 
 
 @dataclass(frozen=True)
@@ -212,10 +239,9 @@ def predict(
     run: MeasuredRun,
     nodes: int,
     hook: str,
-    link_bps: float,
+    link: Link,
     hook_cost_s: float,
     bucket_cap_mb: float | None,
-    latency_s: float = 50e-6,
 ) -> Prediction:
     world = nodes * run.devices_per_node
     backward = run.backward_s + hook_cost_s
@@ -235,7 +261,8 @@ def predict(
             )
             # PowerSGD makes two all-reduces per bucket (P, then Q): twice the latency.
             rounds = 2 if hook == "powersgd" else 1
-            seconds = ring * wire * 8 / link_bps + rounds * 2 * (world - 1) * latency_s
+            bandwidth = link.bandwidth_bps[WIRE_DTYPE[hook]]
+            seconds = ring * wire * 8 / bandwidth + rounds * 2 * (world - 1) * link.latency_s
             end = max(end, ready) + seconds
     exposed = max(0.0, end - compute_end)
     step = compute_end + exposed + run.rest_s + run.data_wait_s
@@ -269,23 +296,22 @@ def parse_nodes(text: str) -> list[int]:
 def report(
     run: MeasuredRun,
     counts: list[int],
-    link_bps: float,
+    link: Link,
     hooks: Sequence[str],
-    latency_s: float,
     costs: dict[str, float],
 ) -> list[str]:
     lines = [
         f"measured: step {run.step_s:.3f} s (forward {run.forward_s:.3f}, backward "
         f"{run.backward_s:.3f}, rest {run.rest_s:.3f}, data wait {run.data_wait_s:.3f}), "
         f"{sum(math.prod(s) for s in run.shapes) * run.element_bytes / 2**20:.1f} MiB of "
-        f"gradients, {run.devices_per_node} device(s) per node; link {format_rate(int(link_bps))}",
+        f"gradients, {run.devices_per_node} device(s) per node; link: {link.describe()}",
         "hook compute per step (probe): "
         + ", ".join(f"{h} {costs[h] * 1000:.0f} ms" for h in hooks),
     ]
     bucket = run.bucket_cap_mb
     for count in counts:
         for hook in hooks:
-            p = predict(run, count, hook, link_bps, costs[hook], bucket, latency_s)
+            p = predict(run, count, hook, link, costs[hook], bucket)
             lines.append(
                 f"nodes={count} hook={hook} bucket_cap_mb={_mb(bucket)} compute {p.compute_s:.3f} s "
                 f"exposed comm {p.exposed_comm_s:.3f} s data wait {p.data_wait_s:.3f} s "
@@ -295,7 +321,7 @@ def report(
     for count in counts:
         best = min(
             (
-                predict(run, count, hook, link_bps, costs[hook], cap, latency_s)
+                predict(run, count, hook, link, costs[hook], cap)
                 for hook in hooks
                 for cap in (None, *BUCKET_CHOICES_MB)
             ),
@@ -309,6 +335,25 @@ def report(
     return lines
 
 
+def _link(text: str, latency_s: float, lab_prefix: str) -> Link:
+    if text != "lab":
+        rate = parse_rate(text)
+        if rate is None:
+            raise ConfigError("--link", text, "a link rate, or lab", "e.g. --link 1gbit")
+        return Link.rated(rate, latency_s)
+    from ddp_template.netlab import Lab
+
+    lab = Lab.load(lab_prefix)
+    if lab is None:
+        raise ConfigError(
+            "--link",
+            text,
+            f"a running netlab to probe (none named {lab_prefix} is up)",
+            "python -m ddp_template.netlab up --rate 1gbit, or give a rate: --link 1gbit",
+        )
+    return Link.probed(lab.allreduce_probe())
+
+
 def _mb(cap: float | None) -> str:
     return "null" if cap is None else f"{cap:g}"
 
@@ -319,15 +364,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("job", type=Path, help="a run's folder (its results.json)")
     parser.add_argument("--nodes", default="2,4,8,16", help="node counts, e.g. 2,4,8,16")
-    parser.add_argument("--link", default="10gbit", help="each node's link rate, e.g. 1gbit")
-    parser.add_argument("--latency-us", type=float, default=50.0, help="per message hop")
+    parser.add_argument(
+        "--link",
+        default="10gbit",
+        help="each node's link rate (e.g. 1gbit), or `lab`: probe the running netlab",
+    )
+    parser.add_argument("--latency-us", type=float, default=50.0, help="per ring hop (a rate)")
+    parser.add_argument("--lab", default="ddplab", help="the netlab probed by --link lab")
     parser.add_argument("--hooks", default=",".join(HOOKS))
     args = parser.parse_args(argv)
     try:
         counts = parse_nodes(args.nodes)
-        link = parse_rate(args.link)
-        if link is None:
-            raise ConfigError("--link", args.link, "a link rate", "e.g. --link 1gbit")
+        link = _link(args.link, args.latency_us * 1e-6, args.lab)
         hooks = [h for h in args.hooks.split(",") if h]
         unknown = [h for h in hooks if h not in HOOKS]
         if unknown or not hooks:
@@ -336,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         run = load_run(args.job)
         costs = probe_hook_costs(run, hooks)
-        for line in report(run, counts, float(link), hooks, args.latency_us * 1e-6, costs):
+        for line in report(run, counts, link, hooks, costs):
             print(line)
     except UserFacingError as err:
         print(f"error: {err}", file=sys.stderr)
