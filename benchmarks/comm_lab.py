@@ -155,7 +155,7 @@ def main() -> int:
                 folder = args.out / rate / name.replace("=", "-")
                 record = two_node_run(lab, folder, [*base, *overrides], port, timeout=900)
                 rows.append(
-                    _row(rate, link, name, recipe, overrides, record, references[recipe], costs)
+                    _row(rate, link, probed, name, recipe, overrides, record, references[recipe], costs)
                 )
                 print(_line(rows[-1]), flush=True)
     finally:

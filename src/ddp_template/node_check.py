@@ -226,11 +226,18 @@ def _judge(ranks: list[dict[str, Any]], reach: dict[int, list[dict]]) -> str:
             for key, values in differing[:8]
         )
         more = f" (and {len(differing) - 8} more keys)" if len(differing) > 8 else ""
+        folders = any(key.startswith("paths.") for key, _ in differing)
+        fix = (
+            "start every node in the same directory of a shared file system with the same "
+            "job id (torchrun --rdzv_id=<job>; without it each node names its own folder)"
+            if folders
+            else "start every node with the same command and overrides"
+        )
         problems.append(
             f"The nodes of this job were started with different configs: {shown}{more}. "
-            "Every node must train the same thing, or the ranks would silently train "
-            "different models or wait for each other forever. Fix: start every node with "
-            "the same command and overrides"
+            "Every node must train the same thing in the same job folder, or the ranks "
+            "would silently train different models, resume from different checkpoints or "
+            f"wait for each other forever. Fix: {fix}"
         )
     for node, failures in sorted(reach.items()):
         for failure in failures:

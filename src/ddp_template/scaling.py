@@ -11,8 +11,9 @@ per step (docs/nodes.md, "The model"):
 - compute: forward F, backward B, the rest R (optimizer, loop), from the run; the data
   wait D as measured. A hook's own work (casting to half width, PowerSGD's matrix
   products), measured here by a short probe on this machine's cores, is added to B.
-- buckets: DDP groups the gradients, last layer first, into buckets of `bucket_cap_mb`
-  (the first one 1 MiB when it is PyTorch's default). A bucket can be sent once the
+- buckets: from the second step on, DDP groups the gradients in the order the backward
+  produced them (about the reverse of the parameters' order) into buckets of
+  `bucket_cap_mb`, the first one 1 MiB when the size is PyTorch's default. A bucket can be sent once the
   backward has produced its gradients: bucket k is ready at F + (B + H) * (bytes up to and
   including k) / (all bytes).
 - ring all-reduce: W ranks each send and receive 2 (W - 1) / W of a bucket's bytes through
@@ -166,17 +167,18 @@ def buckets(shapes: list[list[int]], element_bytes: int, cap_mb: float | None) -
     """Indices of the gradients in each bucket, in the order DDP fills and sends them."""
     cap = int((cap_mb or DEFAULT_BUCKET_MB) * 2**20)
     first = FIRST_BUCKET_BYTES if cap_mb is None else cap
-    groups: list[list[int]] = [[]]
+    # DDP's rule (reducer.cpp, compute_bucket_assignment_by_size): a bucket closes once
+    # it has reached its limit, so it can exceed the limit by its last gradient.
+    groups: list[list[int]] = []
+    current: list[int] = []
     size = 0
     for index, shape in enumerate(shapes):
-        nbytes = math.prod(shape) * element_bytes
-        limit = first if len(groups) == 1 else cap
-        if groups[-1] and size + nbytes > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append(index)
-        size += nbytes
-    return groups
+        current.append(index)
+        size += math.prod(shape) * element_bytes
+        if size >= (first if not groups else cap):
+            groups.append(current)
+            current, size = [], 0
+    return groups + [current] if current else groups
 
 
 def sent_bytes(shape: list[int], element_bytes: int, hook: str, rank: int) -> float:

@@ -1,0 +1,304 @@
+"""Several nodes for real: jobs over the lab's network namespaces (`ddp_template.netlab`),
+each node with its own hostname, address, hosts file and core, joined by a shaped link,
+one torchrun agent per node, as users start them. Nothing talks over 127.0.0.1 between
+nodes here; the lab is made by the test and removed after it. Skipped, with the reason,
+only where the machine cannot make network namespaces (not root, no iproute2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FAST, ROOT, results, subprocess_env
+
+from ddp_template.errors import ConfigError, UserFacingError
+from ddp_template.netlab import Lab, parse_rate, require_namespaces
+
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+TRAIN = str(ROOT / "train.py")
+# What makes a node's output name our code: a traceback line inside the project.
+OUR_TRACEBACK = 'File "' + str(ROOT / "src" / "ddp_template")
+
+
+def _lab_or_skip(own_hostname: str, tag: str) -> Lab:
+    try:
+        require_namespaces()
+    except UserFacingError as why:
+        pytest.skip(str(why))
+    return Lab.up(2, "1gbit", prefix=f"t{tag}{os.getpid() % 100000}", own_hostname=own_hostname)
+
+
+@pytest.fixture(scope="module")
+def lab():
+    made = _lab_or_skip("link", "l")
+    yield made
+    made.down()
+
+
+def torchrun_on_nodes(
+    lab: Lab,
+    cwd: Path,
+    endpoint: str,
+    per_node: tuple[list[str], list[str]] = ([], []),
+    torchrun_args: tuple[str, ...] = (),
+    private_disk: bool = False,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+) -> list[tuple[int, str, str, float]]:
+    """One torchrun agent per lab node (c10d rendezvous at `endpoint`), all in `cwd`;
+    returns each node's (exit code, stdout, stderr, seconds it ran)."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    rdzv = f"job{os.getpid()}"
+    started = time.monotonic()
+    procs = []
+    for node in (0, 1):
+        command = [
+            TORCHRUN,
+            "--nnodes=2",
+            "--nproc_per_node=1",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={endpoint}",
+            f"--rdzv_id={rdzv}",
+            *torchrun_args,
+            TRAIN,
+            "strategy=ddp",
+            *FAST,
+            *per_node[node],
+        ]
+        procs.append(
+            lab.popen(
+                node,
+                command,
+                private_disk=cwd / "outputs" if private_disk else None,
+                cwd=cwd,
+                env=subprocess_env(**(env or {})),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    finished = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        finished.append((proc.returncode, out, err, time.monotonic() - started))
+    return finished
+
+
+# --- in-process: rates and the lab's bad input ----------------------------------------
+
+
+def test_link_rates_parse_like_tc() -> None:
+    assert parse_rate("1gbit") == 10**9 and parse_rate("200mbit") == 200 * 10**6
+    assert parse_rate("2.5gbit") == 2_500_000_000 and parse_rate("none") is None
+    for bad in ("1xbit", "fast", "-1mbit", "0mbit", "1 gigabit"):
+        with pytest.raises(ConfigError, match="a number and a unit of bits per second"):
+            parse_rate(bad)
+
+
+def test_a_rate_the_lab_cannot_parse_is_one_paragraph() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddp_template.netlab", "up", "--rate", "fast"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: --rate='fast' is not valid") and "Fix:" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_the_lab_is_idempotent_and_reshapes_in_place(lab: Lab) -> None:
+    again = Lab.up(2, "200mbit", prefix=lab.prefix)
+    assert [n.address for n in again.nodes] == [n.address for n in lab.nodes]
+    assert again.rate_bps == 200 * 10**6
+    measured = again.probe(megabytes=4)
+    # tbf holds the sustained rate: a little under it, never far above it.
+    assert 0.7 * 200e6 < measured < 1.1 * 200e6
+    again.set_rate(10**9)
+    assert 0.7 * 1e9 < again.probe(megabytes=16) < 1.1e9
+
+
+def test_each_node_has_its_own_hostname_address_and_cores(lab: Lab) -> None:
+    script = (
+        "import json, os, socket;"
+        "print(json.dumps([socket.gethostname(), socket.gethostbyname(socket.gethostname()),"
+        " sorted(os.sched_getaffinity(0))]))"
+    )
+    seen = []
+    for node in lab.nodes:
+        out = subprocess.run(
+            lab.command(node.index, [sys.executable, "-c", script]),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        seen.append(json.loads(out))
+    assert [s[0] for s in seen] == [n.hostname for n in lab.nodes]
+    assert [s[1] for s in seen] == [n.address for n in lab.nodes]
+    assert [tuple(s[2]) for s in seen] == [n.cores for n in lab.nodes]
+
+
+# --- jobs of two nodes over the lab ----------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("endpoint_by", ["hostname", "address"])
+def test_two_nodes_train_over_the_lab_link(lab: Lab, tmp_path: Path, endpoint_by: str) -> None:
+    host = lab.nodes[0].hostname if endpoint_by == "hostname" else lab.nodes[0].address
+    ran = torchrun_on_nodes(lab, tmp_path, f"{host}:29400")
+    assert [r[0] for r in ran] == [0, 0], [r[2][-3000:] for r in ran]
+    written = list(tmp_path.glob("outputs/**/results.json"))
+    assert len(written) == 1
+    record = results(written[0].parent)
+    assert record["world_size"] == 2 and record["num_nodes"] == 2
+    nodes = {n["hostname"]: n for n in record["nodes"]}
+    assert set(nodes) == {n.hostname for n in lab.nodes}
+    for node in lab.nodes:
+        assert nodes[node.hostname]["address"] == node.address
+        assert nodes[node.hostname]["interface"] == "eth0"
+    report = "".join(out for _, out, _, _ in ran)
+    assert "network" in report and lab.nodes[1].address in report
+
+
+@pytest.mark.slow
+def test_own_hostname_on_loopback_still_trains(tmp_path: Path) -> None:
+    """Debian's `127.0.1.1 <hostname>`: gloo would bind there and the other node would be
+    told to connect to 127.0.1.1 (connectFullMesh failed). The template binds the backend
+    to the interface that reaches the rendezvous host instead."""
+    debian = _lab_or_skip("debian", "d")
+    try:
+        ran = torchrun_on_nodes(debian, tmp_path, f"{debian.nodes[0].hostname}:29400")
+    finally:
+        debian.down()
+    assert [r[0] for r in ran] == [0, 0], [r[2][-3000:] for r in ran]
+    record = results(next(tmp_path.glob("outputs/**/results.json")).parent)
+    assert sorted(n["address"] for n in record["nodes"]) == sorted(n.address for n in debian.nodes)
+
+
+@pytest.mark.slow
+def test_nodes_started_with_different_configs_are_refused(lab: Lab, tmp_path: Path) -> None:
+    ran = torchrun_on_nodes(
+        lab, tmp_path, f"{lab.nodes[0].hostname}:29400", (["seed=1"], ["seed=2"])
+    )
+    for code, out, err, _ in ran:
+        assert code != 0
+        assert (
+            "error: The nodes of this job were started with different configs: seed: 1 on node"
+            in err
+        ), err[-3000:]
+        assert "2 on node" in err and "Fix:" in err
+        # The rank ends with the paragraph and exit code 2; no traceback through our code.
+        assert "exitcode  : 2" in err and OUR_TRACEBACK not in err
+        assert "epoch 1/" not in out
+    assert not list(tmp_path.glob("outputs/**/results.json"))
+
+
+@pytest.mark.slow
+def test_an_interface_that_does_not_exist_stops_every_node_within_a_minute(
+    lab: Lab, tmp_path: Path
+) -> None:
+    ran = torchrun_on_nodes(
+        lab,
+        tmp_path,
+        f"{lab.nodes[0].hostname}:29400",
+        (["network.interface=eth9"], []),
+        timeout=120,
+    )
+    errors = "".join(err for _, _, err, _ in ran)
+    assert all(code != 0 for code, *_ in ran)
+    assert "error: network.interface='eth9' is not valid: an interface of node" in errors
+    assert "eth0 " + lab.nodes[0].address in errors or "eth0 " + lab.nodes[1].address in errors
+    assert errors.count("error: ") >= 2, errors[-3000:]  # the other node says why it stops
+    assert max(seconds for *_, seconds in ran) < 90  # start-up included
+    assert OUR_TRACEBACK not in errors
+
+
+@pytest.mark.slow
+def test_private_disks_stop_with_the_paragraph_alone(lab: Lab, tmp_path: Path) -> None:
+    """Each node with its own tmpfs over outputs/ (node-local scratch): refused before
+    training, each rank ending with exit code 2 and the paragraph, no traceback."""
+    ran = torchrun_on_nodes(lab, tmp_path, f"{lab.nodes[0].hostname}:29400", private_disk=True)
+    for code, out, err, _ in ran:
+        assert code != 0
+        assert "error: The nodes of this job do not share a file system" in err, err[-3000:]
+        assert "exitcode  : 2" in err and OUR_TRACEBACK not in err
+        assert "epoch 1/" not in out
+    assert not list((tmp_path / "outputs").iterdir())  # each node wrote to its own disk
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_restart_resumes_on_both_nodes(lab: Lab, tmp_path: Path) -> None:
+    """torchrun --max-restarts=1 on each node; the worker of global rank 1 kills itself
+    after the step-5 checkpoint: both nodes restart, resume from last.ckpt, finish."""
+    steps = [
+        "trainer.max_epochs=2",
+        "trainer.limit_train_batches=8",
+        "callbacks.last_checkpoint.every_n_train_steps=5",
+        "+callbacks.kill._target_=faults.KillRankAfterStep",
+        "+callbacks.kill.step=5",
+    ]
+    ran = torchrun_on_nodes(
+        lab,
+        tmp_path,
+        f"{lab.nodes[0].hostname}:29400",
+        (steps, steps),
+        torchrun_args=("--max-restarts=1",),
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+        timeout=600,
+    )
+    assert [r[0] for r in ran] == [0, 0], [r[2][-3000:] for r in ran]
+    record = results(next(tmp_path.glob("outputs/**/results.json")).parent)
+    assert record["restarts"] == 1 and record["resumed_from"].endswith("last.ckpt")
+    assert record["global_step"] == 16 and record["world_size"] == 2
+
+
+# --- in-process: the choice of address and the verdict of the nodes ---------------------
+
+
+def test_a_rendezvous_host_on_loopback_seen_from_another_node_is_refused() -> None:
+    from ddp_template.network import choose_endpoint
+
+    with pytest.raises(ConfigError) as err:
+        choose_endpoint("localhost", node_rank=1, num_nodes=2)
+    message = str(err.value)
+    assert err.value.key == "MASTER_ADDR" and "127.0.0.1, a loopback address" in message
+    assert "node 1" in message and "--rdzv_endpoint=<IP>" in message
+
+
+def test_a_name_that_does_not_resolve_and_a_missing_interface_are_named() -> None:
+    from ddp_template.network import choose_endpoint, interfaces
+
+    with pytest.raises(ConfigError, match="does not resolve|resolves on node 0"):
+        choose_endpoint("no-such-host.invalid", node_rank=0, num_nodes=2)
+    with pytest.raises(ConfigError) as err:
+        choose_endpoint("localhost", node_rank=0, num_nodes=2, interface="nope0")
+    assert err.value.key == "network.interface"
+    assert all(name in str(err.value) for name in interfaces())
+
+
+def test_differing_configs_name_the_key_the_nodes_and_the_fix() -> None:
+    from conftest import compose_train
+
+    from ddp_template.node_check import _judge, comparable_config
+
+    configs = [comparable_config(compose_train(f"seed={s}")) for s in (1, 2)]
+    assert "seed" in configs[0] and "callbacks.resume_state.seed" not in configs[0]
+    ranks = [
+        {"node_rank": n, "hostname": f"host{n}", "config": c, "address": "x"}
+        for n, c in enumerate(configs)
+    ]
+    verdict = _judge(ranks, {})
+    assert verdict.startswith("The nodes of this job were started with different configs: seed:")
+    assert "1 on node 0 (host0), 2 on node 1 (host1)" in verdict
+    assert "the same command and overrides" in verdict
+    ranks[1]["config"] = {**configs[0], "paths.output_dir": "/elsewhere"}
+    assert "--rdzv_id" in _judge(ranks, {})
+    ranks[1]["config"] = configs[0]
+    assert _judge(ranks, {}) == ""
