@@ -184,7 +184,7 @@ def _row(rate, link, probed, name, recipe, overrides, record, reference, costs) 
     wait = step * float(record.get("data_wait_fraction") or 0)
     compute = reference.step_s - reference.data_wait_s + costs.get(hook, 0.0)
     predicted = predict(
-        reference, 2, hook, link, costs.get(hook, 0.0), _bucket_of(overrides, recipe)
+        reference, 2, hook, probed, costs.get(hook, 0.0), _bucket_of(overrides, recipe)
     )
     return {
         "rate": rate,

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddp_template.callbacks.shared_disk import SharedDiskCheck
 from ddp_template.errors import ConfigError
-from ddp_template.node_check import NodeCheckedDDPStrategy, comparable_config
+from ddp_template.node_check import NodeCheckedDDPStrategy, flat_config
 from ddp_template.trackers import log_config
 
 
@@ -50,7 +50,7 @@ def build_strategy(cfg: DictConfig) -> Strategy | str:
     options = OmegaConf.to_container(cfg.strategy, resolve=True)
     name = options["name"]
     # Compared between nodes before the process group starts (node_check).
-    node_config = comparable_config(cfg)
+    node_config = flat_config(cfg)
     if name == "auto":
         return NodeCheckedDDPStrategy(node_config=node_config) if world_size(cfg) > 1 else "auto"
     ddp_kwargs = {key: value for key, value in options.items() if key not in _STRATEGY_KEYS}

@@ -20,6 +20,7 @@ from ddp_template.callbacks.progress import check_progress
 from ddp_template.compiling import check_compile
 from ddp_template.errors import ConfigError
 from ddp_template.launch import processes_started_externally
+from ddp_template.network import check_rendezvous_host
 from ddp_template.schema import TRAINER_ARGS_ELSEWHERE, check_types_and_ranges
 from ddp_template.trackers import check_trackers
 from ddp_template.world import check_restarts, take_launched_world
@@ -82,13 +83,31 @@ def _resolve_devices(value: object, accelerator: str) -> int:
 
 
 def _check_launch(cfg: DictConfig) -> None:
-    if cfg.num_nodes > 1 and not processes_started_externally():
+    if cfg.num_nodes == 1 or processes_started_externally():
+        return
+    network = cfg.network
+    if network.master_addr is None or network.node_rank is None:
         raise ConfigError(
             "num_nodes",
             cfg.num_nodes,
-            "1 for the plain command: several nodes need a launcher that starts the processes",
-            "start every node with torchrun (or srun), as shown in the README",
+            "1 for the plain command, unless every node is started with its network.node_rank "
+            "and node 0's network.master_addr",
+            f"on each node: python train.py num_nodes={cfg.num_nodes} network.node_rank=<0..."
+            f"{cfg.num_nodes - 1}> network.master_addr=<node 0's address> network.job_id=<name> "
+            "(or start every node with torchrun or srun, docs/nodes.md)",
         )
+    if network.node_rank >= cfg.num_nodes:
+        raise ConfigError(
+            "network.node_rank",
+            network.node_rank,
+            f"0 to {cfg.num_nodes - 1} for num_nodes={cfg.num_nodes}",
+            "give each node its own number, 0 on the one that hosts the rendezvous",
+        )
+    if cfg.strategy.name == "ddp_spawn":
+        raise ConfigError("strategy", "ddp_spawn", "ddp on several nodes", "use strategy=ddp")
+    check_rendezvous_host(
+        network.master_addr, network.master_port, network.node_rank, network.timeout_s
+    )
 
 
 def _check_devices_support(cfg: DictConfig) -> None:

@@ -23,6 +23,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from torch.distributed.elastic.multiprocessing.errors import (
     get_error_handler,
     record,
 )
+from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ddp_template.errors import TrainingStopped, UserFacingError, WorkerFailed
@@ -77,15 +79,43 @@ def record_failures(worker: Worker) -> Worker:
     return wrapper
 
 
+@dataclass(frozen=True)
+class Nodes:
+    """A job of several nodes started by this project's agent on each node (instead of
+    torchrun): where node 0 hosts the rendezvous, and how long each node waits there."""
+
+    count: int
+    rank: int
+    master_addr: str
+    master_port: int
+    job_id: str
+    local_addr: str
+    timeout_s: float
+
+    def launch_settings(self) -> dict[str, Any]:
+        return {
+            "min_nodes": self.count,
+            "max_nodes": self.count,
+            "run_id": self.job_id,
+            "rdzv_endpoint": f"{self.master_addr}:{self.master_port}",
+            # Node 0 hosts the store whatever its hostname resolves to (torch's guess,
+            # `_matches_machine_hostname`, fails where it resolves to a loopback address).
+            "rdzv_configs": {"is_host": self.rank == 0, "join_timeout": self.timeout_s},
+            # The workers' MASTER_ADDR: node 0's network address, not its hostname.
+            "local_addr": self.local_addr,
+        }
+
+
 def launch(
     worker: Worker,
     config: dict[str, Any],
     nproc_per_node: int,
     job_dir: Path,
     max_restarts: int = 0,
+    nodes: Nodes | None = None,
 ) -> Any:
     """Runs `worker(config)` once per local device and returns rank 0's return value."""
-    if nproc_per_node == 1 or processes_started_externally():
+    if processes_started_externally() or (nproc_per_node == 1 and nodes is None):
         return worker(config)
 
     # A fresh rendezvous store for each attempt: with the agent's shared store, restarted
@@ -93,14 +123,17 @@ def launch(
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     log_dir = job_dir / "logs"
     start_method = worker_start_method()
-    launch_config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc_per_node,
-        run_id=f"job-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d",
+    one_node = {
+        "min_nodes": 1,
+        "max_nodes": 1,
+        "run_id": f"job-{uuid.uuid4().hex[:12]}",
         # Port 0: the agent picks a free port, so jobs side by side never clash.
-        rdzv_endpoint="localhost:0",
+        "rdzv_endpoint": "localhost:0",
+    }
+    launch_config = LaunchConfig(
+        nproc_per_node=nproc_per_node,
+        rdzv_backend="c10d",
+        **(nodes.launch_settings() if nodes else one_node),
         max_restarts=max_restarts,
         # How often the agent looks at its workers: also how long it waits after they ended.
         monitor_interval=0.1,
@@ -115,7 +148,24 @@ def launch(
         returns = elastic_launch(launch_config, _start_worker)(worker, config, start_method)
     except ChildFailedError as failure:
         raise describe_failure(failure, log_dir) from None
+    except RendezvousError as failure:
+        if nodes is None:
+            raise
+        raise _nodes_did_not_meet(nodes, failure) from None
     return returns[0]
+
+
+def _nodes_did_not_meet(nodes: Nodes, failure: Exception) -> UserFacingError:
+    import socket
+
+    return UserFacingError(
+        f"Node {nodes.rank} ({socket.gethostname()}) waited {nodes.timeout_s:g} s for the "
+        f"{nodes.count} nodes of job {nodes.job_id} at {nodes.master_addr}:"
+        f"{nodes.master_port} and they did not all come ({type(failure).__name__}: "
+        f"{str(failure).strip() or 'timed out'}). Fix: start every node with the same command, "
+        "its own network.node_rank and the same network.job_id, within network.timeout_s "
+        "of each other"
+    )
 
 
 @contextmanager

@@ -188,3 +188,58 @@ def _default_route_interface() -> str | None:
 
 def _describe(table: dict[str, list[str]]) -> str:
     return ", ".join(f"{name} {'/'.join(addrs)}" for name, addrs in sorted(table.items())) or "none"
+
+
+def check_rendezvous_host(
+    master_addr: str, port: int, node_rank: int, timeout_s: float
+) -> Endpoint:
+    """For this project's own agent on several nodes, before any worker starts: node 0
+    must own `master_addr` (it hosts the rendezvous there); every other node must reach
+    node 0's port within `timeout_s` (a refused connection is a node 0 not started yet and
+    is retried; nothing answering at all is named). Returns this node's endpoint."""
+    import time
+
+    hostname = socket.gethostname()
+    table = interfaces()
+    key = "network.master_addr"
+    addresses = resolve(master_addr)
+    if not addresses:
+        raise ConfigError(
+            key,
+            master_addr,
+            f"a name or address that resolves on node {node_rank} ({hostname}); it does not",
+            "give node 0's IP address, or add its name to /etc/hosts or DNS on every node",
+        )
+    if node_rank == 0:
+        own = {a for addrs in table.values() for a in addrs}
+        if not any(a in own and not is_loopback(a) for a in addresses):
+            raise ConfigError(
+                key,
+                master_addr,
+                f"an address of node 0, the machine that hosts the rendezvous (here "
+                f"{hostname}: {_describe(table)}); {master_addr} resolves to "
+                f"{', '.join(addresses)}",
+                "give this machine's network address (or a hostname that resolves to it) "
+                "on every node, or start this machine with its own network.node_rank",
+            )
+        return choose_endpoint(master_addr, 0, 2)
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((addresses[0], port), timeout=3).close()
+            return choose_endpoint(master_addr, node_rank, 2)
+        except ConnectionRefusedError:
+            last = "connection refused: nothing listens there yet"
+        except OSError as err:
+            last = str(err) or type(err).__name__
+        time.sleep(1)
+    raise ConfigError(
+        key,
+        master_addr,
+        f"node 0's address as node {node_rank} ({hostname}) reaches it; {addresses[0]}:{port} "
+        f"did not answer within {timeout_s:g} s ({last})",
+        "start node 0 (network.node_rank=0) with the same network.master_port, check that "
+        f"{master_addr} is node 0's address and that port {port} is open between the nodes "
+        "(network.timeout_s waits longer)",
+    )

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import time
 from dataclasses import asdict
@@ -73,10 +72,10 @@ def start_process_group(
     use_endpoint(endpoint)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = main_address, str(main_port)
     store = _rendezvous_store(rank, world_size, wait, endpoint, main_address, main_port)
-    attempt = os.environ.get(
-        "TORCHELASTIC_RESTART_COUNT", os.environ.get("SLURM_RESTART_COUNT", "0")
-    )
-    board = dist.PrefixStore(f"ddp_template/start/{attempt}/", store)
+    # Each attempt gets a store of its own (the agent makes one per rendezvous round), so
+    # no key of an earlier attempt is read. Not the restart count: a node restarted for
+    # another node's failure counts no restart of its own.
+    board = dist.PrefixStore("ddp_template/start/", store)
 
     leader = local_rank == 0
     listener = _listen(endpoint.address) if leader else None
@@ -98,6 +97,7 @@ def start_process_group(
     if listener is not None:
         listener.close()
     if verdict:
+        _all_have_read(board, rank, world_size)
         raise NodesDisagree(verdict)
 
     store.set_timeout(timeout)
@@ -212,21 +212,42 @@ def _verdict(board, ranks, rank: int, num_nodes: int, wait: timedelta) -> str:
     return "Rank 0 gave no verdict on the start of the job in time. Fix: see rank 0's output"
 
 
+def _all_have_read(board, rank: int, world_size: int) -> None:
+    """Before a refusal ends this rank: rank 0 (whose node may host the store) waits until
+    every rank has read the verdict, so that each prints the cause, not a lost store."""
+    try:
+        board.set(f"read/{rank}", "1")
+        if rank == 0:
+            board.wait([f"read/{r}" for r in range(world_size)], timedelta(seconds=10))
+    except Exception:
+        pass
+
+
 def _judge(ranks: list[dict[str, Any]], reach: dict[int, list[dict]]) -> str:
     leaders = {r["node_rank"]: r for r in ranks if "config" in r}
     problems = []
     differing = _differing_keys(leaders)
     if differing:
+        # Keys that only repeat another (`seed: ${seed}` elsewhere) differ the same way:
+        # named together, the key a user sets first.
+        grouped: dict[str, list[str]] = {}
+        values_of: dict[str, dict[int, Any]] = {}
+        for key, values in differing:
+            signature = json.dumps(values, sort_keys=True)
+            grouped.setdefault(signature, []).append(key)
+            values_of[signature] = values
         shown = "; ".join(
-            f"{key}: "
+            ", ".join(sorted(keys, key=lambda k: (k.count("."), k)))
+            + ": "
             + ", ".join(
-                f"{json.dumps(values.get(n))} on node {n} ({leaders[n]['hostname']})"
-                for n in sorted(values)
+                f"{json.dumps(values_of[sig].get(n))} on node {n} ({leaders[n]['hostname']})"
+                for n in sorted(values_of[sig])
             )
-            for key, values in differing[:8]
+            for sig, keys in list(grouped.items())[:8]
         )
+        differing = list(grouped.items())
         more = f" (and {len(differing) - 8} more keys)" if len(differing) > 8 else ""
-        folders = any(key.startswith("paths.") for key, _ in differing)
+        folders = any(key.startswith("paths.") for _, keys in differing for key in keys)
         fix = (
             "start every node in the same directory of a shared file system with the same "
             "job id (torchrun --rdzv_id=<job>; without it each node names its own folder)"
@@ -268,15 +289,11 @@ def _differing_keys(leaders: dict[int, dict[str, Any]]) -> list[tuple[str, dict[
     return differing
 
 
-def comparable_config(cfg: Any) -> dict[str, Any]:
-    """The resolved config the nodes compare, less the keys that only repeat another key
-    (`seed: ${seed}`): a difference is named once, where it was set."""
+def flat_config(cfg: Any) -> dict[str, Any]:
+    """The resolved config as `dotted.key: value`, as the nodes compare it."""
     from omegaconf import OmegaConf
 
-    raw = _flat(OmegaConf.to_container(cfg, resolve=False))
-    resolved = _flat(OmegaConf.to_container(cfg, resolve=True))
-    repeats = {k for k, v in raw.items() if isinstance(v, str) and re.fullmatch(r"\$\{[\w.]+\}", v)}
-    return {k: v for k, v in resolved.items() if k not in repeats}
+    return _flat(OmegaConf.to_container(cfg, resolve=True))
 
 
 def _flat(config: Any, prefix: str = "") -> dict[str, Any]:

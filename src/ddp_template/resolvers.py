@@ -28,15 +28,20 @@ def launch_rank() -> int:
     return 0
 
 
-def job_stamp() -> str:
+def job_stamp(job_id: object = None, master_addr: object = None, num_nodes: object = 1) -> str:
     """Name of a job's folder: the same in every process of the job, unique across jobs.
 
     - plain command: start time and process id of this (the launching) process;
     - torchrun: start time and process id of the local elastic agent, shared by the ranks it
       starts and by their restarts (so a restarted attempt finds the first one's checkpoints);
       with several nodes, the rendezvous id (`--rdzv-id`) when one is given;
-    - srun: the SLURM job and step ids.
+    - srun: the SLURM job and step ids;
+    - this project's own agent on several nodes (`network.master_addr`): `nodes/<job_id>`,
+      or the minute the node started when no `network.job_id` is given.
     """
+    own_nodes = master_addr not in (None, "") and num_nodes not in (1, "1", "auto", None)
+    if own_nodes and "TORCHELASTIC_RUN_ID" not in os.environ:
+        return f"nodes/{job_id or time.strftime('%Y-%m-%d_%H-%M')}"
     if "TORCHELASTIC_RUN_ID" in os.environ:
         run_id = os.environ["TORCHELASTIC_RUN_ID"]
         several_nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1

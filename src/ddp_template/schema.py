@@ -73,6 +73,10 @@ class Network:
 
     interface: str | None = None
     timeout_s: float = 45
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int = 29400
+    job_id: str | None = None
 
 
 @dataclass
@@ -114,6 +118,8 @@ LIMITS: dict[str, Limit] = {
     "data.batch_size": Limit(1),
     "data.num_workers": Limit(0),
     "data.prefetch_factor": Limit(1),
+    "network.node_rank": Limit(0, why="0 for the node that hosts the rendezvous"),
+    "network.master_port": Limit(1, why="a TCP port"),
     "network.timeout_s": Limit(
         0, above=True, why="seconds each rank waits for the others at start"
     ),

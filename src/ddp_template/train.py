@@ -63,6 +63,7 @@ def run(cfg: DictConfig) -> float | None:
             nproc_per_node=processes_per_node(cfg),
             job_dir=Path(cfg.paths.output_dir),
             max_restarts=cfg.max_restarts,
+            nodes=own_agent_nodes(cfg),
         )
     except UserFacingError as err:
         return _report(err)
@@ -84,6 +85,29 @@ def _stopped_by_signal(cfg: DictConfig, signum: int) -> None:
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     print(f"error: {interrupted_message(signum, folder, overrides)}", file=sys.stderr)
     sys.exit(128 + int(signum))
+
+
+def own_agent_nodes(cfg: DictConfig):
+    """The nodes of a job this project's agent starts on each machine (`network.node_rank`,
+    `network.master_addr`); None for one node or an external launcher."""
+    from ddp_template.launch import Nodes, processes_started_externally
+    from ddp_template.network import choose_endpoint
+
+    network = cfg.network
+    if cfg.num_nodes == 1 or processes_started_externally():
+        return None
+    endpoint = choose_endpoint(
+        network.master_addr, network.node_rank, cfg.num_nodes, network.interface
+    )
+    return Nodes(
+        count=int(cfg.num_nodes),
+        rank=int(network.node_rank),
+        master_addr=str(network.master_addr),
+        master_port=int(network.master_port),
+        job_id=Path(cfg.paths.output_dir).name,
+        local_addr=endpoint.address,
+        timeout_s=float(network.timeout_s),
+    )
 
 
 def processes_per_node(cfg: DictConfig) -> int:
@@ -178,11 +202,21 @@ def _requeue_count() -> int:
 def _resume_point(cfg: DictConfig) -> str | None:
     """A restart of the worker group or a SLURM requeue continues from the job's newest
     checkpoint; a fresh start from `ckpt_path` (usually none)."""
-    restarted = _restart_count() > 0 or _requeue_count() > 0
+    restarted = _restart_count() > 0 or _requeue_count() > 0 or _rejoined_by_torchrun(cfg)
     last = last_checkpoint(cfg)
     if restarted and last.is_file():
         return str(last)
     return cfg.ckpt_path
+
+
+def _rejoined_by_torchrun(cfg: DictConfig) -> bool:
+    """torchrun restarts the nodes whose workers did not fail without counting a restart
+    (TORCHELASTIC_RESTART_COUNT stays 0 there): with several nodes every node decides the
+    same way, from the shared job folder (`--rdzv_id` names it): an attempt that finds a
+    checkpoint of its job continues from it."""
+    from ddp_template.world import started_by
+
+    return started_by() == "torchrun" and int(cfg.num_nodes) > 1
 
 
 def last_checkpoint(cfg: DictConfig) -> Path:
