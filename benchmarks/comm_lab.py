@@ -39,16 +39,17 @@ BUCKETS = [1, 5, 25, 100]
 
 
 def settings(tiny: bool) -> list[tuple[str, str, list[str]]]:
-    """(name, reference recipe, overrides) of every 2-node run."""
+    """(name, one-node reference, overrides) of every 2-node run. The reference is the same
+    setting on one node (the bucket size changes no compute), so it includes the hook's own
+    work: DDP calls the hook at world size 1 too."""
     if tiny:
         return [
             ("recipe=baseline", "baseline", ["recipe=baseline"]),
-            ("comm_hook=fp16", "baseline", ["recipe=baseline", "strategy.comm_hook=fp16"]),
+            ("comm_hook=fp16", "fp16", ["recipe=baseline", "strategy.comm_hook=fp16"]),
         ]
     rows = [(f"recipe={r}", r, [f"recipe={r}"]) for r in RECIPES]
     rows += [
-        (f"comm_hook={h}", "baseline", ["recipe=baseline", f"strategy.comm_hook={h}"])
-        for h in HOOK_SETTINGS
+        (f"comm_hook={h}", h, ["recipe=baseline", f"strategy.comm_hook={h}"]) for h in HOOK_SETTINGS
     ]
     rows += [
         (f"bucket_cap_mb={b}", "baseline", ["recipe=baseline", f"strategy.bucket_cap_mb={b}"])
@@ -135,11 +136,30 @@ def main() -> int:
     rows = []
     try:
         references = {}
-        for recipe in sorted({ref for _, ref, _ in settings(args.tiny)}):
-            folder = args.out / "one_node" / recipe
-            one_node_run(lab, folder, [*base, f"recipe={recipe}"], timeout=600)
-            references[recipe] = load_run(folder)
-        costs = probe_hook_costs(references["baseline"], ["none", *HOOK_SETTINGS])
+        for _name, reference, overrides in settings(args.tiny):
+            if reference in references:
+                continue
+            folder = args.out / "one_node" / reference
+            one_node_run(lab, folder, [*base, *overrides], timeout=600)
+            references[reference] = load_run(folder)
+        # What each hook costs in compute, measured: its one-node step less the baseline's.
+        base_step = references["baseline"].step_s
+        costs = {"none": 0.0}
+        costs.update(
+            {
+                h: max(0.0, references[h].step_s - base_step)
+                for h in references
+                if h in HOOK_SETTINGS
+            }
+        )
+        probed_costs = probe_hook_costs(references["baseline"], ["none", *HOOK_SETTINGS])
+        print(
+            "hook compute, measured (one node):",
+            _ms(costs),
+            "probe:",
+            _ms(probed_costs),
+            flush=True,
+        )
         port = 29400 + os.getpid() % 500
         for rate in rates:
             lab.set_rate(parse_rate(rate))
@@ -155,7 +175,7 @@ def main() -> int:
                 folder = args.out / rate / name.replace("=", "-")
                 record = two_node_run(lab, folder, [*base, *overrides], port, timeout=900)
                 rows.append(
-                    _row(rate, link, probed, name, recipe, overrides, record, references[recipe], costs)
+                    _row(rate, link, probed, name, recipe, overrides, record, references, costs)
                 )
                 print(_line(rows[-1]), flush=True)
     finally:
@@ -178,14 +198,21 @@ def _bucket_of(overrides: list[str], recipe: str) -> float | None:
     return 50.0 if recipe == "comm" else None
 
 
-def _row(rate, link, probed, name, recipe, overrides, record, reference, costs) -> dict:
+def _ms(costs: dict[str, float]) -> str:
+    return ", ".join(f"{h} {c * 1000:.0f} ms" for h, c in costs.items())
+
+
+def _row(rate, link, probed, name, recipe, overrides, record, references, costs) -> dict:
     hook = _hook_of(overrides, recipe)
+    reference = references[recipe]
     step = float(record["step_time_median_s"])
     wait = step * float(record.get("data_wait_fraction") or 0)
-    compute = reference.step_s - reference.data_wait_s + costs.get(hook, 0.0)
-    predicted = predict(
-        reference, 2, hook, probed, costs.get(hook, 0.0), _bucket_of(overrides, recipe)
-    )
+    compute = reference.step_s - reference.data_wait_s
+    # The model starts from the run without a hook and adds the hook's measured cost
+    # (the comm recipe's reference already holds its fp16 hook).
+    model_from = references["baseline"] if recipe in HOOK_SETTINGS else reference
+    cost = costs.get(hook, 0.0) if recipe in HOOK_SETTINGS else 0.0
+    predicted = predict(model_from, 2, hook, probed, cost, _bucket_of(overrides, recipe))
     return {
         "rate": rate,
         "measured_link": format_rate(int(link)),

@@ -98,6 +98,7 @@ def _results(folder: Path, **record) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_the_command_line_predicts_and_refuses(tmp_path: Path) -> None:
     gradients = {
         "shapes": SHAPES,
@@ -135,3 +136,15 @@ def test_the_command_line_predicts_and_refuses(tmp_path: Path) -> None:
     )
     assert refused.returncode == 2 and "strategy=ddp" in refused.stderr
     assert math.isclose(float(lines[0].split("compute ")[1].split(" s")[0]), 0.95, abs_tol=0.01)
+
+
+def test_nccl_hides_communication_behind_the_backward_and_gloo_does_not() -> None:
+    link = Link.rated(10e9)
+    on_gpu = predict(_run(backend="nccl"), 2, "none", link, 0.0, None)
+    on_cpu = predict(_run(backend="gloo"), 2, "none", link, 0.0, None)
+    assert on_gpu.exposed_comm_s < on_cpu.exposed_comm_s
+    # PowerSGD on gloo waits for each bucket inside the backward: nothing hidden there.
+    assert (
+        predict(_run(backend="gloo"), 2, "powersgd", link, 0.0, None, overlap=1.0).exposed_comm_s
+        > 0
+    )

@@ -22,9 +22,13 @@ per step (docs/nodes.md, "The model"):
   c is the hook's compression: 1 (none), 1/2 (fp16, bf16), and for PowerSGD of rank r the
   factors (n + m) r instead of n m for each matrix gradient (vectors are sent whole).
 - overlap: buckets are sent one after another, each starting when it is ready and the
-  previous one is done; the step ends when both the backward and the last bucket are done:
-      step = max(F + B + H, end of the last bucket) + R + D
-  and "exposed communication" is what the all-reduce adds beyond the backward.
+  previous one is done; with NCCL the step ends when both the backward and the last
+  bucket are done. With gloo on CPU ranks the transfer shares the cores with the backward
+  and nothing overlaps (measured on the lab): the buckets' times add up. With an overlap
+  o (1 for NCCL, 0 for gloo, `--overlap` sets it):
+      exposed = o * max(0, end of the last bucket - (F + B + H)) + (1 - o) * sum of t_k
+      step = F + B + H + exposed + R + D
+  "exposed communication" is what the all-reduce adds to the step.
 
 Scaling efficiency is one node's step time over the predicted one (the batch per device
 stays the same, so N nodes process N times the samples per step at efficiency 1).
@@ -42,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddp_template.comm_hooks import needs_one_bucket_at_a_time
 from ddp_template.errors import ConfigError, UserFacingError
 from ddp_template.netlab import format_rate, parse_rate
 
@@ -69,6 +74,7 @@ class MeasuredRun:
     bucket_cap_mb: float | None
     threads: int
     powersgd_rank: int
+    backend: str = "gloo"
 
     @property
     def rest_s(self) -> float:
@@ -160,6 +166,7 @@ def load_run(job: Path) -> MeasuredRun:
         else None,
         threads=int(gradients.get("torch_threads") or 1),
         powersgd_rank=int(strategy.get("powersgd_rank") or 1),
+        backend=str(gradients.get("backend") or "gloo"),
     )
 
 
@@ -244,6 +251,7 @@ def predict(
     link: Link,
     hook_cost_s: float,
     bucket_cap_mb: float | None,
+    overlap: float | None = None,
 ) -> Prediction:
     world = nodes * run.devices_per_node
     backward = run.backward_s + hook_cost_s
@@ -251,7 +259,7 @@ def predict(
     groups = buckets(run.shapes, run.element_bytes, bucket_cap_mb)
     sizes = [sum(math.prod(run.shapes[i]) * run.element_bytes for i in g) for g in groups]
     total = sum(sizes) or 1
-    end = 0.0
+    end = sent_s = 0.0
     done_bytes = 0
     if world > 1:
         ring = 2 * (world - 1) / world
@@ -266,7 +274,13 @@ def predict(
             bandwidth = link.bandwidth_bps[WIRE_DTYPE[hook]]
             seconds = ring * wire * 8 / bandwidth + rounds * 2 * (world - 1) * link.latency_s
             end = max(end, ready) + seconds
-    exposed = max(0.0, end - compute_end)
+            sent_s += seconds
+    overlap = run_overlap(run) if overlap is None else overlap
+    if needs_one_bucket_at_a_time(hook, run.backend):
+        # The hook waits for each bucket inside the backward (comm_hooks.CountingHook):
+        # nothing overlaps, every bucket's time adds to the step.
+        overlap = 0.0
+    exposed = overlap * max(0.0, end - compute_end) + (1 - overlap) * sent_s
     step = compute_end + exposed + run.rest_s + run.data_wait_s
     samples = world * run.samples_per_step_per_device / step
     one_node = run.forward_s + run.backward_s + run.rest_s + run.data_wait_s
@@ -281,6 +295,15 @@ def predict(
         samples,
         one_node / step,
     )
+
+
+def run_overlap(run: MeasuredRun) -> float:
+    """How much of the all-reduce can run while the backward computes: all of it with NCCL
+    (its kernels and copies run beside the backward's); none with gloo on CPU ranks, where
+    the transfer and the backward share the rank's cores: measured on the lab, one core per
+    node at 500 Mbit/s, 3.43 s per step = 2.45 s of compute + 0.72 s of transfer + 0.26 s
+    (docs/nodes.md, "The model")."""
+    return 1.0 if run.backend == "nccl" else 0.0
 
 
 def parse_nodes(text: str) -> list[int]:
@@ -301,6 +324,7 @@ def report(
     link: Link,
     hooks: Sequence[str],
     costs: dict[str, float],
+    overlap: float | None = None,
 ) -> list[str]:
     lines = [
         f"measured: step {run.step_s:.3f} s (forward {run.forward_s:.3f}, backward "
@@ -313,7 +337,7 @@ def report(
     bucket = run.bucket_cap_mb
     for count in counts:
         for hook in hooks:
-            p = predict(run, count, hook, link, costs[hook], bucket)
+            p = predict(run, count, hook, link, costs[hook], bucket, overlap)
             lines.append(
                 f"nodes={count} hook={hook} bucket_cap_mb={_mb(bucket)} compute {p.compute_s:.3f} s "
                 f"exposed comm {p.exposed_comm_s:.3f} s data wait {p.data_wait_s:.3f} s "
@@ -323,7 +347,7 @@ def report(
     for count in counts:
         best = min(
             (
-                predict(run, count, hook, link, costs[hook], cap)
+                predict(run, count, hook, link, costs[hook], cap, overlap)
                 for hook in hooks
                 for cap in (None, *BUCKET_CHOICES_MB)
             ),
@@ -373,6 +397,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--latency-us", type=float, default=50.0, help="per ring hop (a rate)")
     parser.add_argument("--lab", default="ddplab", help="the netlab probed by --link lab")
+    parser.add_argument(
+        "--overlap",
+        type=float,
+        default=None,
+        help="share of the all-reduce hidden behind the backward (default: 1 nccl, 0 gloo)",
+    )
     parser.add_argument("--hooks", default=",".join(HOOKS))
     args = parser.parse_args(argv)
     try:
@@ -386,7 +416,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         run = load_run(args.job)
         costs = probe_hook_costs(run, hooks)
-        for line in report(run, counts, link, hooks, costs):
+        if args.overlap is not None and not 0 <= args.overlap <= 1:
+            raise ConfigError("--overlap", args.overlap, "a share from 0 to 1", "e.g. --overlap 1")
+        for line in report(run, counts, link, hooks, costs, args.overlap):
             print(line)
     except UserFacingError as err:
         print(f"error: {err}", file=sys.stderr)

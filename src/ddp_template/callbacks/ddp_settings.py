@@ -71,4 +71,5 @@ def gradient_layout(model: object) -> dict[str, object] | None:
         "forward_compute_s": logged.get("forward_compute_time", 0) / 1e9,
         "backward_compute_s": logged.get("backward_compute_time", 0) / 1e9,
         "torch_threads": torch.get_num_threads(),
+        "backend": torch.distributed.get_backend(),
     }
