@@ -43,6 +43,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides,expected", CASES.values(), ids=CASES.keys())
 def test_bad_value_exits_before_workers(overrides, expected, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
@@ -54,6 +55,7 @@ def test_bad_value_exits_before_workers(overrides, expected, tmp_path: Path) -> 
     assert not (run_dir / "logs").exists() and not (run_dir / "results.json").exists()
 
 
+@pytest.mark.slow
 def test_truncated_checkpoint(tmp_path: Path) -> None:
     whole = tmp_path / "whole.ckpt"
     torch.save({"state_dict": {"w": torch.ones(10_000)}}, whole)
@@ -66,6 +68,7 @@ def test_truncated_checkpoint(tmp_path: Path) -> None:
     assert "cannot be read" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_empty_image_folder(tmp_path: Path) -> None:
     (tmp_path / "images" / "cats").mkdir(parents=True)
     proc = train(
@@ -244,6 +247,7 @@ def test_more_ranks_than_cores_warns_about_the_ranks() -> None:
     assert warning is not None and "devices=2" in warning and "num_workers" not in warning
 
 
+@pytest.mark.slow
 def test_misspelt_key_on_the_command_line_gets_the_closest(tmp_path: Path) -> None:
     proc = train("trainer.max_epoch=1", cwd=tmp_path, check=False)
     assert proc.returncode == 2, proc.stderr
@@ -268,3 +272,16 @@ def test_batchnorm_trains_through_a_lone_last_sample_under_ddp(tmp_path: Path) -
     )
     assert "Expected more than 1 value per channel" not in proc.stdout + proc.stderr
     assert (tmp_path / "run" / "results.json").is_file()
+
+
+def test_misspelt_key_is_named_before_hydra_composes() -> None:
+    """The check `train.py` makes before Hydra: a typo gets the closest key, and a valid
+    command line, a sweep or an added key pass on to Hydra."""
+    from ddp_template.plugins import check_override_keys
+    from ddp_template.train import CONFIG_DIR
+
+    with pytest.raises(ConfigError) as err:
+        check_override_keys(["strategy=ddp", "trainer.max_epoch=1"], CONFIG_DIR, "train")
+    assert err.value.key == "trainer.max_epoch" and err.value.fix == "trainer.max_epochs=1"
+    for fine in (["trainer.max_epochs=1"], ["-m", "seed=1,2"], ["+trainer.max_epoch=1"]):
+        check_override_keys(fine, CONFIG_DIR, "train")
