@@ -128,6 +128,7 @@ def test_the_resume_command_names_the_running_interpreter(tmp_path: Path, monkey
         monkeypatch.chdir(folder)
         line = interrupted_message(signal.SIGINT, tmp_path, ["strategy=ddp", "hydra.run.dir=x"])
         command = shlex.split(line.split("resume with: ", 1)[1])
+        assert (folder / command[0]).is_file()
         assert command == [
             str(interpreter),
             "train.py",
