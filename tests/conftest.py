@@ -150,3 +150,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                     reason=f"needs {needed} CUDA GPU(s); {visible} visible on this machine"
                 )
             )
+
+
+# Test time of the tests not marked slow, summed over this session: what the fast tier
+# (`pytest -m "not slow"`) costs, printed at the end of every run (CI runs the whole suite).
+_fast_tier = {"tests": 0, "seconds": 0.0}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if "slow" in report.keywords:
+        return
+    _fast_tier["seconds"] += report.duration
+    if report.when == "call":
+        _fast_tier["tests"] += 1
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _fast_tier["tests"]:
+        terminalreporter.write_line(
+            f"fast tier (not marked slow): {_fast_tier['tests']} tests in "
+            f"{_fast_tier['seconds']:.0f} s of test time"
+        )

@@ -49,6 +49,7 @@ def recipe_sweep(tmp_path_factory) -> Path:
     return sweep
 
 
+@pytest.mark.slow
 def test_each_recipe_records_the_benchmark_figures(recipe_sweep: Path) -> None:
     runs = {name: results(recipe_sweep / str(job)) for job, name in enumerate(RECIPES)}
     for name, out in runs.items():
@@ -73,6 +74,7 @@ def test_each_recipe_records_the_benchmark_figures(recipe_sweep: Path) -> None:
     assert comm_ddp["bucket_cap_mb"] == 50.0 and comm_ddp["static_graph"] is True
 
 
+@pytest.mark.slow
 def test_report_compares_the_recipes(recipe_sweep: Path) -> None:
     proc = report(recipe_sweep)
     assert proc.returncode == 0, proc.stderr
@@ -95,6 +97,7 @@ def test_report_compares_the_recipes(recipe_sweep: Path) -> None:
     assert (recipe_sweep / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_report_names_the_jobs_that_left_no_results(recipe_sweep: Path, tmp_path: Path) -> None:
     copy = tmp_path / "sweep"
     shutil.copytree(recipe_sweep, copy)
@@ -124,6 +127,7 @@ def test_report_on_a_folder_without_results_fails_clearly(tmp_path: Path) -> Non
         assert not (folder / "report.md").exists()
 
 
+@pytest.mark.slow
 def test_report_of_a_bucket_size_sweep_repeated_over_seeds(tmp_path: Path) -> None:
     sweep = tmp_path / "buckets"
     train(
@@ -158,6 +162,7 @@ def test_report_of_a_bucket_size_sweep_repeated_over_seeds(tmp_path: Path) -> No
     assert "medians of 2 jobs that differ only in seed" in proc.stdout
 
 
+@pytest.mark.slow
 def test_notebook_plots_a_sweep(recipe_sweep: Path, monkeypatch) -> None:
     import nbformat
     from nbclient import NotebookClient

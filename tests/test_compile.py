@@ -57,6 +57,7 @@ def test_results_say_compile_is_off_by_default(tmp_path: Path) -> None:
     assert out["warmup_time_s"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides,expected",
     [

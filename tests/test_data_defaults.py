@@ -31,7 +31,8 @@ def image_folder(root: Path, side: int, per_class: int = 3, classes: int = 2) ->
 
 
 def built(*overrides: str):
-    cfg = compose_train(*overrides)
+    # A batch as small as these folders (the check refuses one larger than a rank's shard).
+    cfg = compose_train("data.batch_size=1", *overrides)
     check_config(cfg)
     datamodule, module = build_task(cfg)
     return cfg, datamodule, module
@@ -86,6 +87,7 @@ def test_in_memory_data_loads_in_the_training_process() -> None:
         assert cfg.data.num_workers == 0
 
 
+@pytest.mark.slow
 def test_the_startup_report_states_size_stem_and_workers(tmp_path: Path) -> None:
     root = image_folder(tmp_path / "px32", side=32)
     proc = train(
@@ -116,6 +118,7 @@ def test_unreadable_image_is_named_before_workers(tmp_path: Path) -> None:
         built("data=imagefolder", f"data.root={root}")
 
 
+@pytest.mark.slow
 def test_bad_image_size_exits_before_workers(tmp_path: Path) -> None:
     root = image_folder(tmp_path / "px32", side=32, per_class=1)
     run_dir = tmp_path / "run"

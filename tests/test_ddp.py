@@ -31,6 +31,7 @@ def ddp_run(tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_every_rank_ends_with_identical_weights(ddp_run: Path) -> None:
     ranks = probes(ddp_run)
     assert [r["world_size"] for r in ranks] == [2, 2]
@@ -38,6 +39,7 @@ def test_every_rank_ends_with_identical_weights(ddp_run: Path) -> None:
     assert ranks[0]["weights_abs_sum"] == ranks[1]["weights_abs_sum"]
 
 
+@pytest.mark.slow
 def test_training_shards_are_disjoint_and_reshuffled(ddp_run: Path) -> None:
     ranks = probes(ddp_run)
     train_size = 1797 - round(1797 * 0.1) - round(1797 * 0.2)
@@ -52,6 +54,7 @@ def test_training_shards_are_disjoint_and_reshuffled(ddp_run: Path) -> None:
         assert r["train"]["0"] != r["train"]["1"]
 
 
+@pytest.mark.slow
 def test_evaluation_sees_every_sample_once(ddp_run: Path) -> None:
     ranks = probes(ddp_run)
     test_size = round(1797 * 0.2)
@@ -61,6 +64,7 @@ def test_evaluation_sees_every_sample_once(ddp_run: Path) -> None:
     assert sum(r["test_samples_seen"] for r in ranks) == test_size
 
 
+@pytest.mark.slow
 def test_only_rank_zero_writes_and_logs_stay_in_the_job_folder(ddp_run: Path) -> None:
     out = results(ddp_run)
     assert out["world_size"] == 2 and out["global_batch_size"] == 128
@@ -70,6 +74,7 @@ def test_only_rank_zero_writes_and_logs_stay_in_the_job_folder(ddp_run: Path) ->
     assert sorted(p.name for p in (ddp_run / "checkpoints").iterdir()) == ["best.ckpt", "last.ckpt"]
 
 
+@pytest.mark.slow
 def test_ddp_test_accuracy_equals_single_process_accuracy(ddp_run: Path) -> None:
     """The reported accuracy is that of the checkpoint on the full test set, no padding."""
     import lightning as L
@@ -174,6 +179,7 @@ def test_uneven_data_on_four_ranks_finishes(run_dir: Path, tmp_path: Path) -> No
     assert results(run_dir)["world_size"] == 4
 
 
+@pytest.mark.slow
 def test_results_record_the_live_ddp_settings(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     train(
@@ -190,6 +196,7 @@ def test_results_record_the_live_ddp_settings(tmp_path: Path) -> None:
     assert ddp["static_graph"] is True and ddp["find_unused_parameters"] is False
 
 
+@pytest.mark.slow
 def test_ddp_spawn_runs(run_dir: Path, tmp_path: Path) -> None:
     train(*FAST, "strategy=ddp_spawn", "devices=2", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     out = results(run_dir)

@@ -239,6 +239,7 @@ def test_bad_debug_setting_is_refused(overrides, expected) -> None:
     assert "Fix: " in str(refused.value)
 
 
+@pytest.mark.slow
 def test_bad_debug_input_on_the_command_line(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = train("debug=nope", f"hydra.run.dir={run_dir}", cwd=tmp_path, check=False)

@@ -37,6 +37,7 @@ def test_bucket_size_sweep_runs_one_ddp_job_per_value(tmp_path: Path) -> None:
         assert (job / "checkpoints" / "last.ckpt").is_file()
 
 
+@pytest.mark.slow
 def test_a_bad_value_fails_its_job_only(tmp_path: Path) -> None:
     proc = train(
         "-m", *FAST, "strategy=ddp", "strategy.bucket_cap_mb=25,-1", cwd=tmp_path, check=False
@@ -66,6 +67,7 @@ def test_optuna_search_over_the_learning_rate(tmp_path: Path) -> None:
     assert best_lr in [t["config"]["task"]["module"]["optimizer"]["lr"] for t in trials]
 
 
+@pytest.mark.slow
 def test_grid_over_two_keys(tmp_path: Path) -> None:
     train("hparams_search=grid", *FAST, cwd=tmp_path)
     combos = {
@@ -75,6 +77,7 @@ def test_grid_over_two_keys(tmp_path: Path) -> None:
     assert combos == {(0.05, 32), (0.05, 64), (0.1, 32), (0.1, 64)}
 
 
+@pytest.mark.slow
 def test_two_runs_side_by_side(tmp_path: Path) -> None:
     procs = [
         start([sys.executable, str(ROOT / "train.py"), *TINY_DDP], cwd=tmp_path) for _ in range(2)
@@ -85,6 +88,7 @@ def test_two_runs_side_by_side(tmp_path: Path) -> None:
     assert len(folders) == 2 and folders[0] != folders[1]
 
 
+@pytest.mark.slow
 def test_torchrun_trains_in_the_processes_it_started(tmp_path: Path) -> None:
     proc = start(
         [TORCHRUN, "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"), *TINY_DDP],
@@ -162,6 +166,7 @@ def test_slurm_launcher_config_maps_devices_and_nodes(accelerator: str, gpus) ->
     assert launcher.cpus_per_task >= 1
 
 
+@pytest.mark.slow
 def test_submitit_local_executor_runs_a_job(tmp_path: Path) -> None:
     train("-m", "launcher=submitit_local", *TINY_DDP, cwd=tmp_path, timeout=400)
     (job,) = job_folders(tmp_path / "multirun")
@@ -245,6 +250,7 @@ def test_killed_worker_without_restarts_fails_fast_and_names_it(tmp_path: Path) 
     assert not (job / "results.json").exists()
 
 
+@pytest.mark.slow
 def test_ddp_spawn_sweep(tmp_path: Path) -> None:
     """The articles' mp.spawn: Lightning spawns inside each job; two jobs, one sweep."""
     train("-m", *FAST, "strategy=ddp_spawn", "devices=2", "seed=1,2", cwd=tmp_path)
@@ -256,6 +262,7 @@ def test_ddp_spawn_sweep(tmp_path: Path) -> None:
     assert all("test/acc" in results(j) for j in jobs)
 
 
+@pytest.mark.slow
 def test_a_worker_exception_is_shown_once_with_its_rank(tmp_path: Path) -> None:
     job = tmp_path / "run"
     proc = train(
@@ -273,6 +280,7 @@ def test_a_worker_exception_is_shown_once_with_its_rank(tmp_path: Path) -> None:
     assert str(job / "logs" / "attempt_0" / "1") in proc.stderr
 
 
+@pytest.mark.slow
 def test_tasks_started_by_srun_train_in_place(tmp_path: Path) -> None:
     """Two processes with the environment srun gives its tasks (no cluster needed): Lightning's
     SLURM environment ranks them, no launcher starts more, both agree on one job folder."""
@@ -302,8 +310,46 @@ def test_tasks_started_by_srun_train_in_place(tmp_path: Path) -> None:
     assert [p.name for p in (tmp_path / "outputs" / "slurm").iterdir()] == ["4242.0"]
 
 
+@pytest.mark.slow
 def test_sweep_over_the_number_of_devices(tmp_path: Path) -> None:
     """With Lightning's own launcher, `-m devices=2,1` crashed a child; each job here starts
     its own workers and leaves nothing behind for the next."""
     train("-m", "strategy=ddp", "devices=2,1", *FAST, cwd=tmp_path)
     assert [results(j)["world_size"] for j in job_folders(tmp_path / "multirun")] == [2, 1]
+
+
+def _raise_into_error_file(error_file: Path, error: Exception, monkeypatch) -> None:
+    """What `@record` writes when a rank raises: torch's own error file."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    error_file.parent.mkdir(parents=True)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    try:
+        raise error
+    except type(error) as raised:
+        ErrorHandler().record_exception(raised)
+
+
+def test_the_cause_is_named_when_the_agent_saw_a_rank_it_brought_down_first(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Rank 1 raised, rank 0's all-reduce broke under it, and both ended between two looks
+    of the agent, which reported rank 0 only: rank 1's error file names the cause. An error
+    file of an earlier launch into the same folder does not count."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from ddp_template.launch import describe_failure
+
+    attempt = tmp_path / "logs" / "attempt_0"
+    brought_down = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    _raise_into_error_file(attempt / "0" / "error.json", brought_down, monkeypatch)
+    own = ValueError("deliberate failure on rank 1")
+    _raise_into_error_file(attempt / "1" / "error.json", own, monkeypatch)
+    reported = ProcessFailure(0, 4242, 1, str(attempt / "0" / "error.json"))
+    error = ChildFailedError("fit_and_test", {0: reported})
+
+    named = describe_failure(error, tmp_path / "logs", since=time.time() - 60)
+    assert str(named).startswith("Worker rank 1 exited with code 1: ValueError: deliberate")
+    assert "deliberate failure on rank 1" in named.details
+    stale = describe_failure(error, tmp_path / "logs", since=time.time() + 60)
+    assert str(stale).startswith("Worker rank 0 (pid 4242) exited with code 1: RuntimeError")

@@ -246,3 +246,26 @@ def test_copy_of_a_user_made_task_trains_with_ddp_and_passes_its_tests(root: Pat
     assert tests.returncode == 0, tests.stdout[-5000:]
     assert "2 passed" in tests.stdout
     assert "PASSED tests/test_task_dosage_v2.py::test_ddp_run_keeps_the_checkpoint" in tests.stdout
+
+
+@pytest.mark.parametrize("pytest_installed", [True, False])
+def test_the_printed_commands_run_in_the_readme_set_up(
+    root: Path, pytest_installed: bool, monkeypatch, capsys
+) -> None:
+    """The project's interpreter, and the dev set-up first where pytest is not installed."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: find_spec(name, *a) if pytest_installed or name != "pytest" else None,
+    )
+    monkeypatch.chdir(root)
+    assert new_task.main(["churn", "--root", str(root)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    python = new_task.interpreter_in(root)
+    assert f"Train it:  {python} train.py task=churn strategy=ddp devices=2" in lines
+    test = f"{python} -m pytest tests/test_task_churn.py"
+    expected = test if pytest_installed else f"bash scripts/setup.sh dev && {test}"
+    assert f"Test it:   {expected}" in lines

@@ -58,8 +58,10 @@ def test_torchrun_refuses_on_every_rank_before_training(
     )
     out, err = proc.communicate(timeout=300)
     assert proc.returncode != 0
-    # Each rank prints the one-paragraph message and exits 2 (torchrun reports the exit codes).
-    assert err.count(f"error: {message}") == 2, err[-3000:]
+    # A rank prints the one-paragraph message and exits 2 (torchrun reports the exit code).
+    # torchrun then stops the other rank, which may not have reached the check yet on a
+    # loaded machine: it prints the same message, or nothing; it never trains.
+    assert 1 <= err.count(f"error: {message}") <= 2, err[-3000:]
     assert "Fix:" in err and "exitcode  : 2" in err
     assert "Traceback" not in out
     assert not list(tmp_path.glob("outputs/**/*.ckpt"))

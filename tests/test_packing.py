@@ -99,6 +99,7 @@ def test_a_failing_job_fails_alone_with_the_sequential_exit_code(tmp_path: Path)
     assert [(j / "results.json").is_file() for j in jobs] == [True, False, False, False]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides, message",
     [

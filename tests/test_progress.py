@@ -32,6 +32,7 @@ def progress_lines(text: str) -> list[re.Match]:
     return [m for m in map(LINE.match, text.splitlines()) if m]
 
 
+@pytest.mark.slow
 def test_a_log_file_shows_progress_lines_during_an_epoch(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = train(

@@ -127,6 +127,7 @@ CLI_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides,expected", CLI_CASES.values(), ids=CLI_CASES.keys())
 def test_bad_value_on_the_command_line(overrides, expected, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"

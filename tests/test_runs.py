@@ -14,6 +14,7 @@ from conftest import FAST, results, train
 from ddp_template.tasks.image_classification.model import build_resnet
 
 
+@pytest.mark.slow
 def test_default_run_shortened(run_dir: Path, tmp_path: Path) -> None:
     proc = train(*FAST, f"hydra.run.dir={run_dir}", cwd=tmp_path)
     out = results(run_dir)
@@ -36,6 +37,7 @@ def test_default_run_shortened(run_dir: Path, tmp_path: Path) -> None:
         assert line in proc.stdout
 
 
+@pytest.mark.slow
 def test_exported_weights_load_into_the_bare_model(run_dir: Path, tmp_path: Path) -> None:
     train(*FAST, f"hydra.run.dir={run_dir}", cwd=tmp_path)
     state = torch.load(run_dir / "model.pt", weights_only=True, map_location="cpu")
@@ -61,6 +63,7 @@ def _last_weights(run_dir: Path, name: str = "last.ckpt") -> dict[str, torch.Ten
     return ckpt["state_dict"]
 
 
+@pytest.mark.slow
 def test_resumed_run_ends_with_the_same_weights(tmp_path: Path) -> None:
     common = [
         "trainer.limit_train_batches=4",
@@ -114,6 +117,7 @@ def _write_cifar10(root: Path, per_batch: int = 20) -> None:
         pickle.dump({"label_names": names, "num_cases_per_batch": per_batch}, f)
 
 
+@pytest.mark.slow
 def test_cifar10_files(run_dir: Path, tmp_path: Path) -> None:
     _write_cifar10(tmp_path / "cifar")
     train(
@@ -130,6 +134,7 @@ def test_cifar10_files(run_dir: Path, tmp_path: Path) -> None:
     assert out["config"]["data"]["name"] == "cifar10" and "test/acc" in out
 
 
+@pytest.mark.slow
 def test_image_folder_of_jpegs(run_dir: Path, tmp_path: Path) -> None:
     from PIL import Image
 
@@ -153,6 +158,7 @@ def test_image_folder_of_jpegs(run_dir: Path, tmp_path: Path) -> None:
     assert out["config"]["data"]["name"] == "imagefolder" and "test/acc" in out
 
 
+@pytest.mark.slow
 def test_synthetic_data_with_accumulation(run_dir: Path, tmp_path: Path) -> None:
     train(
         *FAST,

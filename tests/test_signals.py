@@ -80,7 +80,8 @@ def test_a_stopped_run_ends_at_once_and_says_how_to_resume(tmp_path: Path, how: 
     name = signal.Signals(signum).name
     assert line.startswith(f"error: stopped by {name}; the last checkpoint is {last}")
     command = shlex.split(line.split("resume with: ", 1)[1])
-    assert command[:2] == ["python", "train.py"] and command[-1] == f"ckpt_path={last}"
+    assert command[:2] == [sys.executable, str(ROOT / "train.py")]
+    assert command[-1] == f"ckpt_path={last}"
     assert "strategy=ddp" in command and not any(a.startswith("hydra.run.dir") for a in command)
     stacks = (tmp_path / "run" / "logs" / "attempt_0").glob("*/stderr.log")
     assert any("most recent call first" in f.read_text() for f in stacks)
@@ -110,3 +111,27 @@ def test_a_failed_sweep_job_leaves_no_watchdog_armed(tmp_path: Path) -> None:
     (sweep,) = [p for p in (tmp_path / "multirun").glob("*/*") if p.is_dir()]
     assert not (sweep / "0" / "results.json").exists()
     assert (sweep / "1" / "results.json").is_file(), proc.stderr[-3000:]
+
+
+def test_the_resume_command_names_the_running_interpreter(tmp_path: Path, monkeypatch) -> None:
+    """Typed in the folder the run was started from, it runs this interpreter (the project's
+    .venv/bin/python from the project's folder), not whatever `python` is on the PATH."""
+    from ddp_template.preemption import interrupted_message
+
+    (tmp_path / "last.ckpt").write_bytes(b"")
+    monkeypatch.setattr(sys, "argv", ["train.py", "strategy=ddp"])
+    project = Path(sys.executable).parents[2]
+    for folder, interpreter in (
+        (project, Path(sys.executable).relative_to(project)),
+        (tmp_path, sys.executable),
+    ):
+        monkeypatch.chdir(folder)
+        line = interrupted_message(signal.SIGINT, tmp_path, ["strategy=ddp", "hydra.run.dir=x"])
+        command = shlex.split(line.split("resume with: ", 1)[1])
+        assert (folder / command[0]).is_file()
+        assert command == [
+            str(interpreter),
+            "train.py",
+            "strategy=ddp",
+            f"ckpt_path={tmp_path / 'last.ckpt'}",
+        ]

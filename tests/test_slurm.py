@@ -227,6 +227,7 @@ def test_a_sweep_over_devices_is_refused(slurm, tmp_path) -> None:
     assert not (tmp_path / "multirun").exists()
 
 
+@pytest.mark.slow
 def test_launcher_slurm_without_multirun_is_refused(tmp_path) -> None:
     """Without -m Hydra ignores the launcher and the run would train here, unnoticed."""
     proc = train("launcher=slurm", "strategy=ddp", "devices=2", cwd=tmp_path, check=False)

@@ -46,6 +46,7 @@ def test_early_stopping_adds_to_the_default_callbacks() -> None:
     assert set(stopping) == {*default, "early_stopping"}
 
 
+@pytest.mark.slow
 def test_a_bad_monitor_mode_is_refused_before_workers_start(run_dir: Path, tmp_path: Path) -> None:
     proc = train("task.monitor_mode=up", f"hydra.run.dir={run_dir}", cwd=tmp_path, check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]

@@ -68,6 +68,7 @@ def test_bad_model_option_is_named(option: dict, message: str) -> None:
         build_mlp(num_features=30, num_classes=2, **option)
 
 
+@pytest.mark.slow
 def test_default_run_on_one_process(run_dir: Path, tmp_path: Path) -> None:
     train(TASK, *QUIET, f"hydra.run.dir={run_dir}", cwd=tmp_path)
     out = results(run_dir)
@@ -91,6 +92,7 @@ def test_default_run_on_two_ddp_processes(run_dir: Path, tmp_path: Path) -> None
     assert out["test/acc"] >= 0.9, out["test/acc"]
 
 
+@pytest.mark.slow
 def test_wine(run_dir: Path, tmp_path: Path) -> None:
     train(TASK, "data=wine", *QUIET, f"hydra.run.dir={run_dir}", cwd=tmp_path)
     out = results(run_dir)

@@ -31,6 +31,8 @@ def build_task(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModul
         if isinstance(err.__cause__, ConfigError):
             raise err.__cause__ from None
         raise
+    if cfg.task.get("monitor"):
+        module.monitor = (cfg.task.monitor, cfg.task.monitor_mode)
     return datamodule, module
 
 

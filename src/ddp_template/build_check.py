@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
@@ -17,13 +18,15 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ddp_template.build import build_task, build_trainer
+from ddp_template.build import build_task, build_trainer, world_size
+from ddp_template.data import drops_lone_sample, require_one_sample_per_rank, training_batches
 from ddp_template.errors import ConfigError, refusal_as_config_error
 from ddp_template.metrics import check_monitor
 from ddp_template.schema import as_override
 from ddp_template.schema import parameter_default as _default
 
 if TYPE_CHECKING:
+    from ddp_template.data import ShardedDataModule
     from ddp_template.module import TaskModule
 
 
@@ -35,20 +38,152 @@ def check_by_building(cfg: DictConfig) -> None:
     torch's global flags as they were."""
     with _no_traces():
         with _refusals(cfg, "data", "task.module"), torch.device("meta"):
-            _, module = build_task(cfg)
+            datamodule, module = build_task(cfg)
         # Every task's module is a TaskModule, which declares the metrics it logs.
         metrics = cast("TaskModule", module).metrics
         check_monitor(cfg.task.get("monitor"), cfg.task.get("monitor_mode"), metrics)
         with _refusals(cfg, "trainer", "strategy", "callbacks", *_TOP_LEVEL):
             trainer = build_trainer(cfg, loggers=[])
         with _refusals(cfg, "task.module.optimizer", "task.module.scheduler"):
-            # Counting the optimizer steps of an epoch needs the data. The run's max_steps
-            # when set, else any count, builds the same optimizer and scheduler.
-            max_steps = int(cfg.trainer.max_steps)
-            trainer.fit_loop.max_epochs = -1
-            trainer.fit_loop.epoch_loop.max_steps = max_steps if max_steps > 0 else 1000
+            if cast("TaskModule", module).scheduler_interval == "step":
+                # Counting the optimizer steps of an epoch needs the data. The run's
+                # max_steps when set (or none: an endless run), else any count, builds the
+                # same optimizer and scheduler.
+                max_steps = int(cfg.trainer.max_steps)
+                endless = cfg.trainer.get("max_epochs") == -1 and max_steps < 0
+                trainer.fit_loop.max_epochs = -1
+                trainer.fit_loop.epoch_loop.max_steps = (
+                    max_steps if max_steps > 0 or endless else 1000
+                )
             module.trainer = trainer
             module.configure_optimizers()
+    sizes = cast("ShardedDataModule", datamodule).split_sizes()
+    if sizes is not None:
+        check_split_sizes(cfg, sizes, module)
+    if cfg.ckpt_path is not None:
+        check_checkpoint_fits(cfg.ckpt_path, module)
+
+
+def check_split_sizes(cfg: DictConfig, sizes: tuple[int, int, int], model: torch.nn.Module) -> None:
+    """What follows from the number of samples: the batches of an epoch on each rank (at
+    least one, and as many as the validation interval counts), and a sample of each
+    evaluation split for every rank."""
+    world = world_size(cfg)
+    train, val, test = sizes
+    data, trainer = cfg.data, cfg.trainer
+    # Each rank's shard: padded to the same length, or cut to it with drop_last.
+    shard = train // world if data.drop_last else -(-train // world)
+    if data.batch_size > shard:
+        fits = 2 ** (max(shard, 1).bit_length() - 1)
+        raise ConfigError(
+            "data.batch_size",
+            data.batch_size,
+            f"at most the {shard} training samples a rank holds (data={data.name}: {train} "
+            f"training samples over {world} rank(s)): a larger batch would make "
+            + (
+                "no step at all (data.drop_last=true)"
+                if data.drop_last
+                else "one short step an epoch"
+            ),
+            f"e.g. data.batch_size={fits}" + (", or fewer devices" if world > 1 else ""),
+        )
+    drop = data.drop_last or drops_lone_sample(shard, data.batch_size, model)
+    batches = training_batches(shard, data.batch_size, drop)
+    if not (trainer.get("fast_dev_run") or trainer.get("overfit_batches")):
+        _check_epoch_batches(trainer, batches)
+    if trainer.get("limit_val_batches") != 0:
+        require_one_sample_per_rank(val, world, "the validation")
+    if cfg.get("test", True):
+        require_one_sample_per_rank(test, world, "the test")
+
+
+def _check_epoch_batches(trainer: DictConfig, batches: int) -> None:
+    limit = trainer.get("limit_train_batches")
+    if isinstance(limit, float):
+        if int(batches * limit) < 1:
+            raise ConfigError(
+                "trainer.limit_train_batches",
+                limit,
+                f"a fraction that leaves at least one of the {batches} training batches of an "
+                "epoch on each rank",
+                f"e.g. trainer.limit_train_batches={1 / batches:.3g} or a number of batches",
+            )
+        batches = int(batches * limit)
+    elif isinstance(limit, int):
+        batches = min(batches, limit)
+    interval = trainer.get("val_check_interval")
+    counted_per_epoch = trainer.get("check_val_every_n_epoch") is not None
+    if isinstance(interval, int) and counted_per_epoch and interval > batches:
+        raise ConfigError(
+            "trainer.val_check_interval",
+            interval,
+            f"a number of training batches up to the {batches} of an epoch on each rank (or a "
+            "fraction of an epoch)",
+            f"e.g. trainer.val_check_interval={batches}, or 0.5; or add "
+            "trainer.check_val_every_n_epoch=null to count batches across epochs",
+        )
+
+
+def check_checkpoint_fits(path: str, module: torch.nn.Module) -> None:
+    """A Lightning checkpoint (not the bare weights a run exports) of the model this config
+    builds: the same weights by name and shape. Loaded memory-mapped: nothing is read but
+    its index."""
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, OSError):
+        return  # not plain data: the worker's loader says what it is
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        bare = isinstance(checkpoint, dict) and all(
+            isinstance(value, torch.Tensor) for value in checkpoint.values()
+        )
+        what = "bare weights (the model.pt a run exports)" if bare else "no state_dict"
+        raise ConfigError(
+            "ckpt_path",
+            path,
+            f"a Lightning checkpoint (weights, optimizer, scheduler and loop state) to resume "
+            f"from; this file holds {what}",
+            "resume from the run's checkpoints/last.ckpt (or best.ckpt); model.pt loads into "
+            "the model itself: model.load_state_dict(torch.load(path, weights_only=True))",
+        )
+    saved = {key: tuple(value.shape) for key, value in checkpoint["state_dict"].items()}
+    built = {key: tuple(value.shape) for key, value in module.state_dict().items()}
+    if saved == built:
+        return
+    unknown = [key for key in saved if key not in built]
+    missing = [key for key in built if key not in saved]
+    reshaped = [key for key in saved if key in built and saved[key] != built[key]]
+    found = []
+    if unknown:
+        found.append(
+            f"{len(unknown)} of its {len(saved)} weights are not in it (e.g. {unknown[0]})"
+        )
+    if missing:
+        found.append(f"{len(missing)} of the model's {len(built)} are missing (e.g. {missing[0]})")
+    if reshaped:
+        key = reshaped[0]
+        found.append(
+            f"{len(reshaped)} differ in shape (e.g. {key}: {list(saved[key])} there, "
+            f"{list(built[key])} here)"
+        )
+    differences = _hyperparameter_differences(checkpoint.get("hyper_parameters") or {}, module)
+    raise ConfigError(
+        "ckpt_path",
+        path,
+        f"a checkpoint of the model this config builds ({type(module).__name__}); "
+        f"{'; '.join(found)}" + (f"; it was trained with {differences}" if differences else ""),
+        "run with the task and options it was trained with (its run's .hydra/overrides.yaml), "
+        "or leave ckpt_path out to start afresh",
+    )
+
+
+def _hyperparameter_differences(saved: dict[str, Any], module: torch.nn.Module) -> str:
+    built = dict(getattr(module, "hparams", {}))
+    differ = [
+        f"{key}={saved[key]!r} (here {built.get(key, 'not set')!r})"
+        for key in saved
+        if built.get(key, MISSING) != saved[key]
+    ]
+    return ", ".join(differ[:4])
 
 
 _TOP_LEVEL = ("accelerator", "devices", "num_nodes", "precision", "sync_batchnorm")

@@ -92,6 +92,18 @@ class ShardedDataModule(L.LightningDataModule):
         of classes, ...): passed to its constructor."""
         raise NotImplementedError(f"{type(self).__name__} must say how its module is sized")
 
+    def split_sizes(self) -> tuple[int, int, int] | None:
+        """Samples in the training, validation and test splits, counted before any worker
+        starts (the checks need them): None where the data comes in `prepare` (a download)
+        and may not be there yet, or a split has no length."""
+        if hasattr(self.source, "prepare"):
+            return None
+        splits = self.source.splits()
+        if not all(isinstance(split, Sized) for split in splits):
+            return None
+        train, val, test = (len(cast(Sized, split)) for split in splits)
+        return train, val, test
+
     def prepare_data(self) -> None:
         prepare = getattr(self.source, "prepare", None)
         if prepare is not None:
@@ -120,6 +132,7 @@ class ShardedDataModule(L.LightningDataModule):
         if dataset is None:
             raise RuntimeError(f"{type(self).__name__}.setup() did not create this split")
         world_size, rank = self._replicas()
+        drop_last = self.drop_last
         if train:
             # Seeded by (seed, epoch): the same order on resume, and the same global order
             # whatever the number of ranks.
@@ -132,8 +145,10 @@ class ShardedDataModule(L.LightningDataModule):
                 drop_last=self.drop_last,
                 batch_size=self.batch_size,
             )
+            drop_last = drop_last or drops_lone_sample(len(sampler), self.batch_size, self._model)
         else:
-            _require_one_sample_per_rank(dataset, world_size)
+            size = len(dataset) if isinstance(dataset, Sized) else world_size
+            require_one_sample_per_rank(size, world_size)
             sampler = UnrepeatedDistributedSampler(
                 dataset, num_replicas=world_size, rank=rank, shuffle=False
             )
@@ -149,7 +164,7 @@ class ShardedDataModule(L.LightningDataModule):
             sampler=sampler,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
-            drop_last=self.drop_last and train,
+            drop_last=drop_last and train,
             prefetch_factor=self.prefetch_factor if workers else None,
             persistent_workers=self.persistent_workers and workers,
             # Its own generator: a loader draws a seed for its workers at every iteration,
@@ -157,16 +172,38 @@ class ShardedDataModule(L.LightningDataModule):
             generator=torch.Generator().manual_seed(self.seed),
         )
 
+    @property
+    def _model(self) -> torch.nn.Module | None:
+        return self.trainer.lightning_module if self.trainer is not None else None
 
-def _require_one_sample_per_rank(dataset: Dataset, world_size: int) -> None:
+
+def drops_lone_sample(shard: int, batch_size: int, model: torch.nn.Module | None) -> bool:
+    """Whether a rank's last training batch is one sample that the model cannot train on:
+    BatchNorm computes a batch's spread, which one sample does not have (it raises where
+    the layer sees one value per channel). That sample is left out of the epoch, as
+    `data.drop_last=true` would; the order changes every epoch, so it trains in others."""
+    if model is None or shard % batch_size != 1 or shard == 1:
+        return False
+    return any(
+        isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) for layer in model.modules()
+    )
+
+
+def training_batches(shard: int, batch_size: int, drop_last: bool) -> int:
+    """Batches of an epoch on one rank holding `shard` training samples."""
+    return shard // batch_size if drop_last else -(-shard // batch_size)
+
+
+def require_one_sample_per_rank(size: int, world_size: int, split: str = "an evaluation") -> None:
+    """An evaluation split of `size` samples over `world_size` ranks."""
     # DDP syncs buffers on the first evaluation batch: a rank without any batch would hang.
-    size = len(dataset) if isinstance(dataset, Sized) else world_size
     if size < world_size:
         raise ConfigError(
             "devices",
             world_size,
-            f"an evaluation split has {size} samples, fewer than the {world_size} ranks",
-            "use fewer devices or a larger validation/test split",
+            f"{split} split has {size} samples, fewer than the {world_size} ranks: each rank "
+            "needs one (a rank without an evaluation batch would hang the others)",
+            f"use at most {size} ranks in all, or a larger {split.split()[-1]} split",
         )
 
 

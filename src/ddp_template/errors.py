@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 
@@ -40,10 +41,43 @@ def refusal_as_config_error(
     while cause.__cause__ is not None and type(cause).__name__ == "InstantiationException":
         cause = cause.__cause__
     message = f"{type(cause).__name__}: {cause}"
+    unexpected = re.search(r"unexpected keyword argument '(\w+)'", message)
+    if unexpected:
+        for key in values:
+            parent, _, name = key.rpartition(".")
+            if name == unexpected.group(1):
+                siblings = [k.rpartition(".")[2] for k in values if k.rpartition(".")[0] == parent]
+                where = message.split(" got ", 1)[0].split(": ", 1)[-1]
+                return unknown_key_error(
+                    key, values[key], [s for s in siblings if s != name], where
+                )
     key = _named_key(message, values) or node
     value = values.get(key, "...")
     remedy = fix.get(key) or f"change {key} to a value allowed there"
     return ConfigError(key, value, message, remedy)
+
+
+def unknown_key_error(key: str, value: Any, known: Iterable[str], where: str) -> ConfigError:
+    """A key that `where` (a class, a function, a part of the config) does not take: most
+    often a typo, so the fix is the closest key it does take, else the list of them."""
+    parent, _, name = key.rpartition(".")
+    known = sorted(known)
+    prefix = f"{parent}." if parent else ""
+    close = difflib.get_close_matches(name, known, n=1)
+    if close:
+        return ConfigError(
+            key,
+            value,
+            f"a key of {where}, and {name} is none (did you mean {prefix}{close[0]}?)",
+            f"{prefix}{close[0]}={value}",
+        )
+    listed = ", ".join(known) if len(known) <= 15 else f"{len(known)} keys, see {where}"
+    return ConfigError(
+        key,
+        value,
+        f"a key of {where}, and {name} is none (its keys: {listed})",
+        f"remove {key} (it is unknown), or use one of those keys",
+    )
 
 
 def _named_key(message: str, values: Mapping[str, Any]) -> str | None:

@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,6 +31,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import (
     ChildFailedError,
+    ProcessFailure,
     get_error_handler,
     record,
 )
@@ -144,10 +146,11 @@ def launch(
         log_line_prefix_template="[rank${rank}] ",
     )
     _quiet_agent_logs()
+    started = time.time()
     try:
         returns = elastic_launch(launch_config, _start_worker)(worker, config, start_method)
     except ChildFailedError as failure:
-        raise describe_failure(failure, log_dir) from None
+        raise describe_failure(failure, log_dir, since=started) from None
     except RendezvousError as failure:
         if nodes is None:
             raise
@@ -288,9 +291,27 @@ def _failure_order(failure: Any) -> tuple[int, int, int]:
     return kind, failure.timestamp, written
 
 
-def describe_failure(error: ChildFailedError, log_dir: Path) -> WorkerFailed:
+def every_failure(error: ChildFailedError, since: float) -> dict[int, ProcessFailure]:
+    """The failures the agent reported, and those of the ranks it did not: it reports the
+    first ended process it sees, and when a rank's error breaks another's collective and
+    both end between two of its looks (a loaded machine), that may be the other one. Each
+    rank that raised wrote its error file (written after `since`) beside the reported one's,
+    `logs/attempt_<N>/<local rank>/error.json`."""
+    failures = dict(error.failures)
+    for rank, reported in error.failures.items():
+        for error_file in Path(reported.error_file).parent.parent.glob("*/error.json"):
+            local_rank = int(error_file.parent.name)
+            other = rank - reported.local_rank + local_rank
+            if other not in failures and error_file.stat().st_mtime >= since:
+                # Its pid and exit code are not known: it raised, and exited with 1.
+                failures[other] = ProcessFailure(local_rank, -1, 1, str(error_file))
+    return failures
+
+
+def describe_failure(error: ChildFailedError, log_dir: Path, since: float = 0) -> WorkerFailed:
     """The rank whose failure caused the others', why, its traceback, and where its logs are."""
-    rank, failure = min(error.failures.items(), key=lambda item: _failure_order(item[1]))
+    failures = every_failure(error, since)
+    rank, failure = min(failures.items(), key=lambda item: _failure_order(item[1]))
     attempts = sorted(log_dir.glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
     rank_logs = attempts[-1] / str(failure.local_rank) if attempts else log_dir
     traceback = ""
@@ -307,8 +328,8 @@ def describe_failure(error: ChildFailedError, log_dir: Path) -> WorkerFailed:
             # A diagnosis made on purpose (desync, hang, unused parameters): no traceback.
             message, traceback = message[len(stopped) :].rstrip("."), ""
         cause = f"exited with code {failure.exitcode}: {message}"
+    pid = f" (pid {failure.pid})" if failure.pid > 0 else ""
     summary = (
-        f"Worker rank {rank} (pid {failure.pid}) {cause}. "
-        f"Its output is in {rank_logs}/stdout.log and stderr.log."
+        f"Worker rank {rank}{pid} {cause}. Its output is in {rank_logs}/stdout.log and stderr.log."
     )
     return WorkerFailed(summary, details=traceback)

@@ -20,6 +20,9 @@ class TaskModule(L.LightningModule):
     with torch.load(weights_only=True)."""
 
     metrics: ClassVar[tuple[str, ...]] = ()
+    # The task's monitored metric and its mode (task.monitor, task.monitor_mode), set by
+    # `build.build_task`: a ReduceLROnPlateau scheduler steps on it.
+    monitor: tuple[str, str] | None = None
 
     def __init__(
         self,
@@ -40,6 +43,7 @@ class TaskModule(L.LightningModule):
             self.scheduler_factory,
             self.scheduler_interval,
             self.trainer,
+            self.monitor,
         )
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import keyword
 import os
 import re
@@ -249,14 +250,32 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    root = args.root.resolve()
     print(f"Created task={args.name} (a copy of {args.source}):")
     for path in files:
         print(f"  {path.as_posix()}")
-    print(f"Train it:  python train.py task={args.name} strategy=ddp devices=2")
+    if Path.cwd().resolve() != root:
+        print(f"From {root}:")
+    python = interpreter_in(root)
+    print(f"Train it:  {python} train.py task={args.name} strategy=ddp devices=2")
     test = TESTS_DIR / f"test_task_{args.name}.py"
     if test in files:
-        print(f"Test it:   python -m pytest {test.as_posix()}")
+        run_test = f"{python} -m pytest {test.as_posix()}"
+        if importlib.util.find_spec("pytest") is None:
+            # The training set-up has no pytest; the dev set-up adds it.
+            run_test = f"bash scripts/setup.sh dev && {run_test}"
+        print(f"Test it:   {run_test}")
     return 0
+
+
+def interpreter_in(folder: Path) -> str:
+    """The running interpreter as typed in `folder`: `.venv/bin/python` for the project's
+    own environment (a bare `python` may be another one, without the project), else its
+    full path."""
+    try:
+        return Path(sys.executable).relative_to(folder).as_posix()
+    except ValueError:
+        return sys.executable
 
 
 if __name__ == "__main__":

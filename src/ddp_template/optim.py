@@ -5,7 +5,9 @@ the optimizer is called with the parameters, the scheduler with the optimizer. A
 `torch.optim.lr_scheduler` class fits. A scheduler whose length is the run's length gets it
 when the config leaves it out: OneCycleLR's `total_steps` and CosineAnnealingLR's `T_max`
 are the number of scheduler steps of the run (optimizer steps with `scheduler_interval:
-step`, epochs with `epoch`). Others (StepLR, ExponentialLR, ...) take their config as it is.
+step`, epochs with `epoch`). ReduceLROnPlateau steps on the task's monitored metric
+(`task.monitor`), and its `mode` is the task's `monitor_mode` when the config leaves it out.
+Others (StepLR, ExponentialLR, ...) take their config as it is.
 """
 
 from __future__ import annotations
@@ -47,8 +49,10 @@ def configure(
     scheduler: SchedulerFactory | None,
     interval: str,
     trainer: L.Trainer,
+    monitor: tuple[str, str] | None = None,
 ) -> Any:
-    """What `LightningModule.configure_optimizers` returns."""
+    """What `LightningModule.configure_optimizers` returns; `monitor` is the task's
+    (metric, mode), which a ReduceLROnPlateau scheduler steps on."""
     if optimizer is None:
         raise ConfigError(
             "task.module.optimizer", None, "an optimizer to train with", "e.g. the task's default"
@@ -57,12 +61,42 @@ def configure(
     if scheduler is None:
         return built
     missing = _missing_run_length_args(scheduler)
-    length = _run_length(trainer, interval) if missing else 0
-    lr_scheduler = scheduler(built, **dict.fromkeys(missing, length))
-    return {
-        "optimizer": built,
-        "lr_scheduler": {"scheduler": lr_scheduler, "interval": interval},
-    }
+    length = _run_length(trainer, interval, scheduler) if missing else 0
+    filled: dict[str, Any] = dict.fromkeys(missing, length)
+    config: dict[str, Any] = {"interval": interval}
+    if _steps_on_a_metric(scheduler):
+        metric, mode = _plateau_monitor(monitor, interval)
+        config["monitor"] = metric
+        if "mode" not in getattr(scheduler, "keywords", {}):
+            filled["mode"] = mode
+    config["scheduler"] = scheduler(built, **filled)
+    return {"optimizer": built, "lr_scheduler": config}
+
+
+def _steps_on_a_metric(scheduler: SchedulerFactory) -> bool:
+    factory = getattr(scheduler, "func", scheduler)
+    return inspect.isclass(factory) and issubclass(
+        factory, torch.optim.lr_scheduler.ReduceLROnPlateau
+    )
+
+
+def _plateau_monitor(monitor: tuple[str, str] | None, interval: str) -> tuple[str, str]:
+    if monitor is None:
+        raise ConfigError(
+            "task.module.scheduler._target_",
+            "ReduceLROnPlateau",
+            "a scheduler for a module built from a task config (it steps on task.monitor)",
+            "build the module with build.build_task, or use another scheduler",
+        )
+    if interval != "epoch":
+        raise ConfigError(
+            "task.module.scheduler_interval",
+            interval,
+            f"epoch with ReduceLROnPlateau: it steps on {monitor[0]}, measured at each "
+            "validation, not after every optimizer step",
+            "add task.module.scheduler_interval=epoch",
+        )
+    return monitor
 
 
 def _missing_run_length_args(scheduler: SchedulerFactory) -> list[str]:
@@ -71,18 +105,20 @@ def _missing_run_length_args(scheduler: SchedulerFactory) -> list[str]:
     return [name for name in RUN_LENGTH_ARGS if name in parameters and name not in given]
 
 
-def _run_length(trainer: L.Trainer, interval: str) -> int:
-    if interval == "step":
-        return int(trainer.estimated_stepping_batches)
-    if trainer.max_epochs is None or trainer.max_epochs < 1:
+def _run_length(trainer: L.Trainer, interval: str, scheduler: SchedulerFactory) -> int:
+    steps = trainer.estimated_stepping_batches if interval == "step" else trainer.max_epochs
+    if steps is None or steps == float("inf") or steps < 1:
+        name = getattr(getattr(scheduler, "func", scheduler), "__name__", "the scheduler")
         raise ConfigError(
-            "task.module.scheduler_interval",
-            interval,
-            "epoch only with a number of epochs (trainer.max_epochs >= 1): the scheduler's "
-            "length is counted in epochs",
-            "use task.module.scheduler_interval=step, or set trainer.max_epochs",
+            "trainer.max_epochs",
+            trainer.max_epochs,
+            f"a number of epochs >= 1 with {name}, whose length is the run's "
+            f"({', '.join(_missing_run_length_args(scheduler))}): -1 (no end) leaves it none",
+            "bound the run and let early stopping end it sooner (callbacks=early_stopping "
+            "trainer.max_epochs=100), or set trainer.max_steps, or use a scheduler without a "
+            "length (task.module.scheduler=null, StepLR, ReduceLROnPlateau)",
         )
-    return int(trainer.max_epochs)
+    return int(steps)
 
 
 def drop_run_length_state(checkpoint: dict[str, Any]) -> None:

@@ -1,10 +1,12 @@
-"""Hydra plugins that some config options need, named before Hydra fails to find them."""
+"""The command line, checked before Hydra composes it: the Hydra plugins that some config
+options need, named before Hydra fails to find them, and keys that are not in the config,
+named with the closest key that is (Hydra's own advice is to add them with `+`)."""
 
 from __future__ import annotations
 
 import importlib.util
 
-from ddp_template.errors import ConfigError
+from ddp_template.errors import ConfigError, unknown_key_error
 
 # config option on the command line -> (module of the plugin, package that provides it)
 PLUGINS = {
@@ -36,3 +38,35 @@ def require_plugins(args: list[str]) -> None:
                 f"an option that needs the Hydra plugin package {package}, not installed here",
                 f"pip install {package} (or: pip install -e '.[cluster]')",
             )
+
+
+def check_override_keys(args: list[str], config_dir: str, config_name: str) -> None:
+    """`trainer.max_epoch=1`: a key the config does not have. Composes the config the way
+    `hydra.main` will (a tenth of a second); whatever else fails is left to Hydra to report."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.utils import get_args_parser
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    parsed, _ = get_args_parser().parse_known_args(args)
+    if parsed.config_path or parsed.config_name or parsed.config_dir or parsed.experimental_rerun:
+        return
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+            compose(config_name, overrides=parsed.overrides)
+    except ConfigCompositionException as err:
+        cause = err.__cause__
+        if not isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
+            return
+        node = cause.parent_node
+        known = [str(key) for key in node] if node is not None else []
+        key = str(cause.full_key)
+        value = next(
+            (arg.split("=", 1)[1] for arg in parsed.overrides if arg.split("=", 1)[0] == key),
+            "...",
+        )
+        raise unknown_key_error(
+            key, value, known, f"the config's {key.rpartition('.')[0] or 'top level'}"
+        ) from None
+    except Exception:  # noqa: BLE001 - Hydra reports these itself, with its own words
+        return

@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
+from ddp_template.new_task import interpreter_in
+
 if TYPE_CHECKING:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -200,5 +202,15 @@ def interrupted_message(signum: int, checkpoint_dir: Path, overrides: list[str])
     if not last.is_file():
         return f"stopped by {name} before the first checkpoint: nothing to resume from"
     kept = [o for o in overrides if not o.startswith(("ckpt_path=", "hydra.run.dir="))]
-    command = shlex.join(["python", "train.py", *kept, f"ckpt_path={last}"])
+    command = shlex.join([*this_command(), *kept, f"ckpt_path={last}"])
     return f"stopped by {name}; the last checkpoint is {last}; resume with: {command}"
+
+
+def this_command() -> list[str]:
+    """How this process was started, to be typed again from the same folder: the running
+    interpreter (`.venv/bin/python` inside the project; a bare `python` may be another one,
+    without the project) and the script as it was given."""
+    script = sys.argv[0]
+    if not script.endswith(".py"):
+        return [script]  # an installed entry point runs its own interpreter
+    return [interpreter_in(Path.cwd()), script]

@@ -22,12 +22,17 @@ from typing import TYPE_CHECKING, Any, Literal, Union, cast
 
 from hydra.utils import get_object
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.errors import (
+    ConfigKeyError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+    ValidationError,
+)
 
 from ddp_template.callbacks.watchdog import ON_HANG
 from ddp_template.comm_hooks import COMM_HOOKS
 from ddp_template.debug import DISTRIBUTED_DEBUG_LEVELS
-from ddp_template.errors import ConfigError
+from ddp_template.errors import ConfigError, unknown_key_error
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -87,15 +92,18 @@ class Benchmark:
 
 @dataclass(frozen=True)
 class Limit:
-    """What a key allows beyond its type: a lower bound (`above`: strictly), or names."""
+    """What a key allows beyond its type: bounds (`above`: the lower one strictly), or names."""
 
     minimum: float | None = None
     above: bool = False
+    maximum: float | None = None
     names: tuple = ()
     why: str = ""
 
 
 LIMITS: dict[str, Limit] = {
+    # lightning's seed_everything refuses others, in every worker.
+    "seed": Limit(0, maximum=2**32 - 1, why="the seeds NumPy accepts"),
     "num_nodes": Limit(1),
     "max_restarts": Limit(0),
     "strategy.name": Limit(names=("auto", "ddp", "ddp_spawn")),
@@ -111,6 +119,9 @@ LIMITS: dict[str, Limit] = {
     "trainer.check_val_every_n_epoch": Limit(1),
     "trainer.num_sanity_val_steps": Limit(-1, why="-1 runs the whole validation set"),
     "trainer.max_steps": Limit(-1, why="-1: no limit"),
+    "trainer.limit_train_batches": Limit(
+        0, above=True, why="a fraction of the batches or a number of them; 0 trains nothing"
+    ),
     "trainer.min_steps": Limit(0),
     "trainer.min_epochs": Limit(0),
     "trainer.gradient_clip_val": Limit(0),
@@ -175,7 +186,16 @@ def parameter_default(target: str, name: str) -> Any:
 def _resolved(cfg: DictConfig) -> dict[str, Any]:
     try:
         # A DictConfig becomes a dict; OmegaConf types the result for any node.
-        return cast("dict[str, Any]", OmegaConf.to_container(cfg, resolve=True))
+        values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        return cast("dict[str, Any]", values)
+    except MissingMandatoryValue as err:
+        key = err.full_key
+        raise ConfigError(
+            key,
+            "???",
+            "a value of your own: the config has no default for it (???)",
+            f"add {key}=<value> to the command line",
+        ) from None
     except OmegaConfBaseException as err:
         key = err.full_key or "config"
         raise ConfigError(
@@ -324,10 +344,7 @@ def _type_error(key: str, unknown: bool, schema: type, value: Any) -> ConfigErro
     name = key.rsplit(".", 1)[-1]
     target = getattr(schema, "target", None)
     if unknown:
-        where = target or "this part of the config"
-        return ConfigError(
-            key, value, f"an argument of {where}", "check the spelling, or remove it"
-        )
+        return unknown_key_error(key, value, _fields(schema), target or "this part of the config")
     hint = _hints(schema)[name]
     default = (
         parameter_default(target, name)
@@ -351,12 +368,17 @@ def _check_limit(key: str, value: Any, limit: Limit) -> None:
         return
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         return
-    low = limit.minimum
+    low, high = limit.minimum, limit.maximum
     assert low is not None  # every Limit without names has a minimum
     if (value <= low) if limit.above else (value < low):
         allowed = f"{'>' if limit.above else '>='} {as_override(low)}{why}"
+        if high is not None:
+            allowed = f"from {as_override(low)} to {as_override(high)}{why}"
         example = low + 1 if limit.above else low
         raise ConfigError(key, value, allowed, f"e.g. {key}={as_override(example)}")
+    if high is not None and value > high:
+        allowed = f"from {as_override(low)} to {as_override(high)}{why}"
+        raise ConfigError(key, value, allowed, f"e.g. {key}={as_override(high)}")
 
 
 def describe_type(hint: Any) -> str:

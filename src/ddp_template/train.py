@@ -31,11 +31,13 @@ resolvers.register()
 
 
 def cli() -> None:
-    """`python train.py ...`: names a missing launcher plugin before Hydra composes."""
-    from ddp_template.plugins import require_plugins
+    """`python train.py ...`: names a missing launcher plugin, or a key the config does not
+    have, before Hydra composes."""
+    from ddp_template.plugins import check_override_keys, require_plugins
 
     try:
         require_plugins(sys.argv[1:])
+        check_override_keys(sys.argv[1:], CONFIG_DIR, "train")
     except UserFacingError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

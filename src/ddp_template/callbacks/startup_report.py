@@ -118,6 +118,13 @@ def oversubscription_warning(local_ranks: int, workers: int, cores: int) -> str 
     processes = local_ranks * (1 + workers)
     if processes <= cores:
         return None
+    if local_ranks > cores:
+        # Fewer workers cannot help: the ranks themselves take turns on the cores.
+        return (
+            f"{local_ranks} ranks share {cores} core(s): each trains on a part of a core and "
+            "waits for the slowest at every gradient all-reduce. That checks a DDP setup; to "
+            f"train fast here use devices={cores} (or fewer)."
+        )
     fair = max(0, cores // local_ranks - 1)
     return (
         f"{local_ranks} rank(s) x (1 + {workers} loader workers) = {processes} processes share "
