@@ -167,7 +167,14 @@ def test_loader_resumes_after_the_batches_taken_with_the_same_augmentation() -> 
     batches = iter(stopped)
     taken = [next(batches).tolist() for _ in range(2)]
     state = stopped.state_dict()
-    assert state == {"epoch": 3, "batches": 2}
+    # 2 batches of 4 on each of 2 ranks: the first 16 samples of the epoch's order.
+    assert state == {
+        "epoch": 3,
+        "position": 16,
+        "world_size": 2,
+        "batch_size": 4,
+        "samples_trained": 16,
+    }
 
     resumed = _loader(rank=1, workers=2)
     resumed.load_state_dict(state)

@@ -13,6 +13,7 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from omegaconf import DictConfig, OmegaConf
 
+from ddp_template.callbacks.loader_position import LoaderPosition
 from ddp_template.callbacks.shared_disk import SharedDiskCheck
 from ddp_template.comm_hooks import CommHookDDPStrategy
 from ddp_template.errors import ConfigError
@@ -82,6 +83,8 @@ def build_callbacks(cfg: DictConfig) -> list[Callback]:
         if node and not (node._target_ == _LR_MONITOR and not cfg.get("logger")):
             callbacks.append(instantiate(node))
     callbacks.append(SharedDiskCheck())
+    # The training loader's position on resume, at any world size: not optional.
+    callbacks.append(LoaderPosition())
     return callbacks
 
 

@@ -81,6 +81,7 @@ def collect_results(
         "global_batch_size": global_batch_size(per_device_batch, trainer.world_size, accumulation),
         "epochs": trainer.current_epoch,
         "global_step": trainer.global_step,
+        "samples_trained": _samples_trained(trainer),
         "checkpoints": _checkpoints(trainer),
         "weights": str(weights),
         "output_dir": str(cfg.paths.output_dir),
@@ -141,6 +142,15 @@ def _ddp_settings(metrics: dict[str, float]) -> dict[str, Any] | None:
         settings["comm_hook"] = COMM_HOOKS[int(settings["comm_hook"])]
         settings["comm_hook_calls"] = int(settings["comm_hook_calls"])
     return settings
+
+
+def _samples_trained(trainer: L.Trainer) -> int | None:
+    """Training samples, all ranks together, of this attempt and those it resumed (the
+    training loader counts them, and its checkpointed state carries the count on)."""
+    from ddp_template.data import ResumableDataLoader
+
+    loader = trainer.train_dataloader
+    return loader.samples_trained if isinstance(loader, ResumableDataLoader) else None
 
 
 def _best_score(trainer: L.Trainer) -> float | None:

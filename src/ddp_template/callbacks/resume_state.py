@@ -23,7 +23,6 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
-from lightning.pytorch.utilities import rank_zero_warn
 
 from ddp_template.comm_hooks import hook_state_dict, load_hook_state_dict
 from ddp_template.rng import derived_seed, numpy_state, plain_numpy_state
@@ -63,21 +62,19 @@ class ResumeState(L.Callback):
         self._to_restore = state_dict or None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Lightning hands the saved loader position to the loader when it sets the loader
-        # up; a scheduler sized by `trainer.estimated_stepping_batches` makes it set the
-        # loader up before the checkpoint is read, and the position would be dropped. The
-        # loader starts iterating at its first batch, still to come here.
-        trainer.fit_loop._load_combined_loader_states()
         saved, self._to_restore = self._to_restore, None
         if saved is None:
             return
         ranks = saved["ranks"]
         if len(ranks) != trainer.world_size:
-            rank_zero_warn(
-                f"The checkpoint was saved by {len(ranks)} ranks and this run has"
-                f" {trainer.world_size}: random numbers and gradient compression start afresh,"
-                " so training does not continue exactly as the saved run would have."
-            )
+            if trainer.is_global_zero:
+                # stdout: rank 0's reaches the console under this project's launcher.
+                print(
+                    f"Resuming at {trainer.world_size} ranks from a checkpoint of {len(ranks)}:"
+                    " the data continues where it stood; each rank's random numbers and"
+                    " gradient compression state (PowerSGD) start afresh.",
+                    flush=True,
+                )
             return
         mine = ranks[trainer.global_rank]
         _set_rng_states(_rng_states(mine["rng"]))
