@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import sys
 from datetime import timedelta
+from typing import Any
 
 import lightning as L
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
+from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import DDPStrategy, Strategy
@@ -15,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddp_template.callbacks.loader_position import LoaderPosition
 from ddp_template.callbacks.shared_disk import SharedDiskCheck
+from ddp_template.checkpoint_io import SafeCheckpointIO
 from ddp_template.comm_hooks import CommHookDDPStrategy
 from ddp_template.errors import ConfigError
 from ddp_template.trackers import log_config
@@ -91,6 +94,15 @@ def build_callbacks(cfg: DictConfig) -> list[Callback]:
 _LR_MONITOR = "lightning.pytorch.callbacks.LearningRateMonitor"
 
 
+def _with_safe_checkpoint_io(plugins: Any) -> list[Any]:
+    """`trainer.plugins`, plus checkpoints written so that they cannot be torn, unless the
+    config names a checkpoint IO of its own."""
+    given = [] if plugins is None else list(plugins) if isinstance(plugins, list) else [plugins]
+    if any(isinstance(plugin, CheckpointIO) for plugin in given):
+        return given
+    return [*given, SafeCheckpointIO()]
+
+
 def build_trainer(cfg: DictConfig, loggers: list[Logger] | None = None) -> L.Trainer:
     """The Trainer of a worker; `loggers=[]` builds it without opening any tracker."""
     trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
@@ -102,6 +114,7 @@ def build_trainer(cfg: DictConfig, loggers: list[Logger] | None = None) -> L.Tra
         trainer_args["enable_progress_bar"] = has_progress or sys.stdout.isatty()
     if not trainer_args["enable_progress_bar"]:
         callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
+    trainer_args["plugins"] = _with_safe_checkpoint_io(trainer_args.get("plugins"))
     return L.Trainer(
         accelerator=cfg.accelerator,
         devices=cfg.devices,

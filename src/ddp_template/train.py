@@ -172,11 +172,17 @@ def _requeue_count() -> int:
 
 def _resume_point(cfg: DictConfig) -> str | None:
     """A restart of the worker group or a SLURM requeue continues from the job's newest
-    checkpoint; a fresh start from `ckpt_path` (usually none)."""
-    restarted = _restart_count() > 0 or _requeue_count() > 0
-    last = last_checkpoint(cfg)
-    if restarted and last.is_file():
-        return str(last)
+    complete checkpoint (`last.ckpt`, else the previous one, with a line saying so); a
+    fresh start from `ckpt_path` (usually none)."""
+    from ddp_template.checkpoint_check import newest_complete
+
+    if _restart_count() > 0 or _requeue_count() > 0:
+        resume_from, note = newest_complete(last_checkpoint(cfg))
+        if note and os.environ.get("RANK", "0") == "0":
+            # stdout: rank 0's reaches the console under this project's launcher.
+            print(note, flush=True)
+        if resume_from is not None:
+            return str(resume_from)
     return cfg.ckpt_path
 
 
