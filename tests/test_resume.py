@@ -86,6 +86,12 @@ def stop_and_resume(tmp_path: Path, overrides: list[str]) -> tuple[Path, Path]:
     assert not (stopped / "model.pt").exists()
 
     train(*overrides, f"ckpt_path={checkpoint}", f"hydra.run.dir={resumed}", cwd=tmp_path)
+    # A resume, not a retrain that ignored the checkpoint (it would end with the same
+    # weights too, from the same seed).
+    assert json.loads((resumed / "results.json").read_text())["attempts"] == [
+        {"began": "fresh", "start_step": 0, "world_size": 2},
+        {"began": "ckpt_path", "start_step": STOP_AT_STEP, "world_size": 2},
+    ]
     return resumed, uninterrupted
 
 

@@ -177,6 +177,11 @@ def test_resumed_at_another_world_size_every_sample_is_trained_once(
     assert set(counts.values()) == {1}, f"rows trained twice: {counts.most_common(3)}"
     record = results(resumed)
     assert record["samples_trained"] == TRAIN_ROWS
+    assert [(a["began"], a["world_size"]) for a in record["attempts"]] == [
+        ("fresh", before[0]),
+        ("ckpt_path", after[0]),
+    ]
+    assert record["attempts"][1]["start_step"] == stop_at
     # The epoch ended with its last row, and validated as an uninterrupted epoch does.
     assert record["val/mse"] is not None
     output = proc.stdout + proc.stderr

@@ -82,6 +82,7 @@ def collect_results(
         "epochs": trainer.current_epoch,
         "global_step": trainer.global_step,
         "samples_trained": _samples_trained(trainer),
+        "attempts": _attempts(trainer),
         "checkpoints": _checkpoints(trainer),
         "weights": str(weights),
         "output_dir": str(cfg.paths.output_dir),
@@ -151,6 +152,14 @@ def _samples_trained(trainer: L.Trainer) -> int | None:
 
     loader = trainer.train_dataloader
     return loader.samples_trained if isinstance(loader, ResumableDataLoader) else None
+
+
+def _attempts(trainer: L.Trainer) -> list[dict[str, Any]]:
+    """Each attempt's start: how it began, its first step and world size (attempts.py)."""
+    from ddp_template.attempts import AttemptLog
+
+    logs = [c for c in trainer.callbacks if isinstance(c, AttemptLog)]  # type: ignore[attr-defined]
+    return logs[0].attempts if logs else []
 
 
 def _best_score(trainer: L.Trainer) -> float | None:

@@ -110,6 +110,7 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     """What every rank runs. Returns rank 0's results (None on the other ranks)."""
     import lightning as L
 
+    from ddp_template.attempts import requeue_count, restart_count
     from ddp_template.build import build_task, build_trainer
     from ddp_template.compiling import compile_if_asked
     from ddp_template.debug import apply_debug_environment, explain_unused_parameters
@@ -152,31 +153,22 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     weights = job_dir / WEIGHTS_FILE
     export_weights(module.model, weights)
     results = collect_results(cfg, trainer, fit_metrics, test_metrics, weights)
-    results["restarts"] = _restart_count()
-    results["requeues"] = _requeue_count()
+    results["restarts"] = restart_count()
+    results["requeues"] = requeue_count()
     results["resumed_from"] = ckpt_path
     write_json_atomic(job_dir / RESULTS_FILE, results)
     attach_results(trainer.loggers, job_dir / RESULTS_FILE, results)
     return results
 
 
-def _restart_count() -> int:
-    """Restarts of the worker group by the elastic agent (max_restarts)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def _requeue_count() -> int:
-    """Requeues of the SLURM job (preemption, time limit)."""
-    return int(os.environ.get("SLURM_RESTART_COUNT", "0"))
-
-
 def _resume_point(cfg: DictConfig) -> str | None:
     """A restart of the worker group or a SLURM requeue continues from the job's newest
     complete checkpoint (`last.ckpt`, else the previous one, with a line saying so); a
     fresh start from `ckpt_path` (usually none)."""
+    from ddp_template.attempts import requeue_count, restart_count
     from ddp_template.checkpoint_check import newest_complete
 
-    if _restart_count() > 0 or _requeue_count() > 0:
+    if restart_count() > 0 or requeue_count() > 0:
         resume_from, note = newest_complete(last_checkpoint(cfg))
         if note and os.environ.get("RANK", "0") == "0":
             # stdout: rank 0's reaches the console under this project's launcher.
