@@ -88,9 +88,10 @@ def stop_and_resume(tmp_path: Path, overrides: list[str]) -> tuple[Path, Path]:
     train(*overrides, f"ckpt_path={checkpoint}", f"hydra.run.dir={resumed}", cwd=tmp_path)
     # A resume, not a retrain that ignored the checkpoint (it would end with the same
     # weights too, from the same seed).
-    assert json.loads((resumed / "results.json").read_text())["attempts"] == [
-        {"began": "fresh", "start_step": 0, "world_size": 2},
-        {"began": "ckpt_path", "start_step": STOP_AT_STEP, "world_size": 2},
+    attempts = json.loads((resumed / "results.json").read_text())["attempts"]
+    assert [(a["began"], a["start_step"], a["world_size"]) for a in attempts] == [
+        ("fresh", 0, 2),
+        ("ckpt_path", STOP_AT_STEP, 2),
     ]
     return resumed, uninterrupted
 
@@ -179,7 +180,6 @@ def test_loader_resumes_after_the_batches_taken_with_the_same_augmentation() -> 
         "position": 16,
         "world_size": 2,
         "batch_size": 4,
-        "samples_trained": 16,
     }
 
     resumed = _loader(rank=1, workers=2)

@@ -89,7 +89,7 @@ def test_a_resume_at_another_world_size_trains_the_rest_of_the_epoch(
     repeats = len(first) + len(second) - size
     padding = (-size) % before[0] + (-(size - states[0]["position"])) % after[0]
     assert repeats <= padding
-    assert resumed[0].samples_trained == len(first) + len(second)
+    assert (stopped[0].samples_trained, resumed[0].samples_trained) == (len(first), len(second))
 
 
 def test_the_same_world_size_resumes_distributed_samplers_order() -> None:
@@ -185,5 +185,7 @@ def test_resumed_at_another_world_size_every_sample_is_trained_once(
     # The epoch ended with its last row, and validated as an uninterrupted epoch does.
     assert record["val/mse"] is not None
     output = proc.stdout + proc.stderr
-    notes = [line for line in output.splitlines() if "from a checkpoint of" in line]
+    notes = [
+        line for line in output.splitlines() if "from a checkpoint saved at world size" in line
+    ]
     assert len(notes) == 1, output[-3000:]

@@ -346,10 +346,10 @@ class ResumableDataLoader(DataLoader):
 
     `state_dict` holds the epoch, the global position in the epoch's sample order that the
     batches taken by the training loop cover (counted where they are handed over, not where
-    workers prefetch them), the world size and batch size it was taken at, and the samples
-    trained so far, all ranks and all attempts together. After `load_state_dict`, the next
-    iteration over that epoch continues at that position, shared among this run's ranks:
-    every sample of the epoch is trained once, whatever the number of ranks now.
+    workers prefetch them), and the world size and batch size it was taken at. After
+    `load_state_dict`, the next iteration over that epoch continues at that position, shared
+    among this run's ranks: every sample of the epoch is trained once, whatever the number
+    of ranks now. `samples_trained` counts the samples this process's training loop took.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -357,7 +357,7 @@ class ResumableDataLoader(DataLoader):
         self._batches_taken = 0
         # The epoch of the current iteration (None: none started).
         self._iteration_epoch: int | None = None
-        # Samples of the iterations before the current one, earlier attempts' included.
+        # Samples of this process's iterations before the current one.
         self._samples_before = 0
 
     # torch types it as returning DataLoader's own iterator class; this one returns a
@@ -384,8 +384,8 @@ class ResumableDataLoader(DataLoader):
 
     @property
     def samples_trained(self) -> int:
-        """Samples handed to training steps so far, all ranks together (padding repeats
-        included), in this attempt and the attempts it resumed."""
+        """Samples handed to training steps by this process's loader so far, all ranks
+        together (padding repeats included)."""
         sampler = self._resumable
         current = sampler.samples_in(self._batches_taken) if sampler else 0
         return self._samples_before + current
@@ -421,7 +421,6 @@ class ResumableDataLoader(DataLoader):
             "position": position,
             "world_size": sampler.num_replicas,
             "batch_size": cast(int, self.batch_size),
-            "samples_trained": self.samples_trained,
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
@@ -430,6 +429,5 @@ class ResumableDataLoader(DataLoader):
             return
         sampler.set_epoch(state["epoch"])
         sampler.resume_at(state["epoch"], state["position"])
-        self._samples_before = state["samples_trained"]
         self._batches_taken = 0
         self._iteration_epoch = None

@@ -81,8 +81,7 @@ def collect_results(
         "global_batch_size": global_batch_size(per_device_batch, trainer.world_size, accumulation),
         "epochs": trainer.current_epoch,
         "global_step": trainer.global_step,
-        "samples_trained": _samples_trained(trainer),
-        "attempts": _attempts(trainer),
+        **_attempts(trainer),
         "checkpoints": _checkpoints(trainer),
         "weights": str(weights),
         "output_dir": str(cfg.paths.output_dir),
@@ -145,21 +144,15 @@ def _ddp_settings(metrics: dict[str, float]) -> dict[str, Any] | None:
     return settings
 
 
-def _samples_trained(trainer: L.Trainer) -> int | None:
-    """Training samples, all ranks together, of this attempt and those it resumed (the
-    training loader counts them, and its checkpointed state carries the count on)."""
-    from ddp_template.data import ResumableDataLoader
-
-    loader = trainer.train_dataloader
-    return loader.samples_trained if isinstance(loader, ResumableDataLoader) else None
-
-
-def _attempts(trainer: L.Trainer) -> list[dict[str, Any]]:
-    """Each attempt's start: how it began, its first step and world size (attempts.py)."""
+def _attempts(trainer: L.Trainer) -> dict[str, Any]:
+    """`attempts`: how each began, its first step, world size and samples trained
+    (attempts.py); `samples_trained`: theirs together, all ranks."""
     from ddp_template.attempts import AttemptLog
 
     logs = [c for c in trainer.callbacks if isinstance(c, AttemptLog)]  # type: ignore[attr-defined]
-    return logs[0].attempts if logs else []
+    if not logs:
+        return {"attempts": [], "samples_trained": None}
+    return {"attempts": logs[0].attempts, "samples_trained": logs[0].samples_trained}
 
 
 def _best_score(trainer: L.Trainer) -> float | None:

@@ -70,9 +70,9 @@ class ResumeState(L.Callback):
             if trainer.is_global_zero:
                 # stdout: rank 0's reaches the console under this project's launcher.
                 print(
-                    f"Resuming at {trainer.world_size} ranks from a checkpoint of {len(ranks)}:"
-                    " the data continues where it stood; each rank's random numbers and"
-                    " gradient compression state (PowerSGD) start afresh.",
+                    f"Resuming at world size {trainer.world_size} from a checkpoint saved at"
+                    f" world size {len(ranks)}: the data continues where it stood; each rank's"
+                    " random numbers and gradient compression state (PowerSGD) start afresh.",
                     flush=True,
                 )
             return
