@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddp_template.attempts import AttemptLog
 from ddp_template.callbacks.loader_position import LoaderPosition
+from ddp_template.callbacks.resume_agreement import ResumeAgreement
 from ddp_template.callbacks.shared_disk import SharedDiskCheck
 from ddp_template.checkpoint_io import SafeCheckpointIO
 from ddp_template.comm_hooks import CommHookDDPStrategy
@@ -87,9 +88,9 @@ def build_callbacks(cfg: DictConfig) -> list[Callback]:
         if node and not (node._target_ == _LR_MONITOR and not cfg.get("logger")):
             callbacks.append(instantiate(node))
     callbacks.append(SharedDiskCheck())
-    # The training loader's position on resume, at any world size, and the attempts the
-    # run took (results.json): not optional.
-    callbacks += [LoaderPosition(), AttemptLog()]
+    # One checkpoint for all ranks, the training loader's position on resume at any world
+    # size, and the attempts the run took (results.json): not optional.
+    callbacks += [ResumeAgreement(), LoaderPosition(), AttemptLog()]
     return callbacks
 
 

@@ -7,8 +7,9 @@ padded with repeated samples so that every rank runs the same number of steps, w
 per-step all-reduce needs. Evaluation shards are *not* padded: every sample is seen exactly
 once, so metrics synchronised over ranks equal those of a single process.
 
-Training loaders resume mid-epoch: Lightning saves a loader's `state_dict` in every
-checkpoint and hands it back to `load_state_dict` on resume (see `ResumableDataLoader`).
+Training loaders resume mid-epoch, at any world size and batch size: Lightning saves a
+loader's `state_dict` (the place in the epoch's global sample order) in every checkpoint and
+hands it back to `load_state_dict` on resume (see `ResumableDistributedSampler`).
 Random augmentation draws from generators seeded per batch by the batch's place in the
 epoch (see `SeededSamples`), never from the training process's own generators, so it is
 the same with or without loader workers, and before and after a resume.
