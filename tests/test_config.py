@@ -100,8 +100,12 @@ def test_bad_values_are_named(overrides: list[str], key: str) -> None:
 def test_truncated_checkpoint_is_refused(tmp_path: Path) -> None:
     import torch
 
+    from ddp_template.build import build_task
+
+    # Shaped as Lightning's: the weights of the model the config builds, loop counters.
+    _, module = build_task(compose_train())
     whole = tmp_path / "whole.ckpt"
-    torch.save({"state_dict": {"w": torch.ones(1000)}}, whole)
+    torch.save({"state_dict": module.state_dict(), "loops": {}}, whole)
     truncated = tmp_path / "truncated.ckpt"
     truncated.write_bytes(whole.read_bytes()[:-300])
     check_config(compose_train(f"ckpt_path={whole}"))
