@@ -189,3 +189,25 @@ def test_resumed_at_another_world_size_every_sample_is_trained_once(
         line for line in output.splitlines() if "from a checkpoint saved at world size" in line
     ]
     assert len(notes) == 1, output[-3000:]
+
+
+@pytest.mark.slow
+def test_resumed_at_another_world_size_from_an_epoch_end(tmp_path: Path) -> None:
+    """The end-of-epoch last.ckpt of 2 ranks, resumed on 1 for a second epoch: 3 + 5 steps,
+    and the samples of both attempts counted (Lightning restores no loader position at an
+    epoch end: the count travels with the attempts)."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    train(*ONE_EPOCH, "devices=2", f"hydra.run.dir={first}", cwd=tmp_path)
+    train(
+        *ONE_EPOCH,
+        "devices=1",
+        "trainer.max_epochs=2",
+        f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}",
+        f"hydra.run.dir={second}",
+        cwd=tmp_path,
+    )
+    record = results(second)
+    assert record["global_step"] == 3 + 5
+    assert record["samples_trained"] == 2 * TRAIN_ROWS
+    assert [(a["world_size"], a["start_step"]) for a in record["attempts"]] == [(2, 0), (1, 3)]
+    assert sorted(trained_ids(second)) == list(range(TRAIN_ROWS))
