@@ -5,6 +5,7 @@ environment every rank saw."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -98,3 +99,36 @@ class KillRankAfterStep(L.Callback):
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if first_attempt and trainer.global_rank == self.rank and trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class HalfWrittenCheckpoint(L.Callback):
+    """From save number `save` on, the checkpoint writer stops half-way through the file and
+    waits (`<job>/writing` marks the moment): the test kills the process there, a real
+    process killed in the middle of writing a checkpoint."""
+
+    def __init__(self, save: int = 2) -> None:
+        self.save = save
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        from ddp_template.checkpoint_io import SafeCheckpointIO
+
+        marker = Path(trainer.default_root_dir) / "writing"
+        first_slow = self.save
+
+        class Stalling(SafeCheckpointIO):
+            saves = 0
+
+            def write(self, checkpoint, file) -> None:
+                Stalling.saves += 1
+                if Stalling.saves < first_slow:
+                    super().write(checkpoint, file)
+                    return
+                buffer = io.BytesIO()
+                torch.save(checkpoint, buffer)
+                data = buffer.getvalue()
+                file.write(data[: len(data) // 2])
+                file.flush()
+                marker.write_text(str(trainer.global_step))
+                time.sleep(600)
+
+        trainer.strategy.checkpoint_io = Stalling()

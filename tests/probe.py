@@ -73,3 +73,26 @@ class RandomDrawProbe(L.Callback):
         out = Path(trainer.default_root_dir) / "draws" / f"rank_{trainer.global_rank}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(record))
+
+
+class TrainedSamples(L.Callback):
+    """Records on every rank which training samples each step trains, by their index in the
+    training set: `<job>/trained/rank_<r>.jsonl`, a line per step, written as the step starts
+    (a run that ends abruptly keeps the lines of the steps it trained).
+
+    A sample is known by its content: the callback maps each row of the training set's
+    features to its index, and needs rows that differ (a table without duplicates)."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        features = trainer.datamodule.train_set.tensors[0]
+        self.ids = {row.numpy().tobytes(): i for i, row in enumerate(features)}
+        assert len(self.ids) == len(features), "training rows repeat: ids would be ambiguous"
+        self.out = Path(trainer.default_root_dir) / "trained" / f"rank_{trainer.global_rank}.jsonl"
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        features, _ = batch
+        ids = [self.ids[row.cpu().numpy().tobytes()] for row in features]
+        line = {"step": trainer.global_step, "world_size": trainer.world_size, "ids": ids}
+        with self.out.open("a") as file:
+            file.write(json.dumps(line) + "\n")

@@ -102,9 +102,10 @@ def test_truncated_checkpoint_is_refused(tmp_path: Path) -> None:
 
     from ddp_template.build import build_task
 
-    whole = tmp_path / "whole.ckpt"
+    # Shaped as Lightning's: the weights of the model the config builds, loop counters.
     _, module = build_task(compose_train())
-    torch.save({"state_dict": module.state_dict()}, whole)
+    whole = tmp_path / "whole.ckpt"
+    torch.save({"state_dict": module.state_dict(), "loops": {}}, whole)
     truncated = tmp_path / "truncated.ckpt"
     truncated.write_bytes(whole.read_bytes()[:-300])
     check_config(compose_train(f"ckpt_path={whole}"))

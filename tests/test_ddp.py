@@ -71,7 +71,12 @@ def test_only_rank_zero_writes_and_logs_stay_in_the_job_folder(ddp_run: Path) ->
     assert sorted(p.name for p in ddp_run.parent.iterdir()) == ["run"]
     for rank in (0, 1):
         assert (ddp_run / "logs" / "attempt_0" / str(rank) / "stderr.log").is_file()
-    assert sorted(p.name for p in (ddp_run / "checkpoints").iterdir()) == ["best.ckpt", "last.ckpt"]
+    # last.prev.ckpt: the epoch-1 last.ckpt, kept until the epoch-2 one was complete.
+    assert sorted(p.name for p in (ddp_run / "checkpoints").iterdir()) == [
+        "best.ckpt",
+        "last.ckpt",
+        "last.prev.ckpt",
+    ]
 
 
 @pytest.mark.slow

@@ -233,6 +233,9 @@ def test_killed_worker_restarts_and_resumes_exactly(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = results(job)
     assert record["restarts"] == 1 and record["resumed_from"].endswith("last.ckpt")
+    first, restarted = record["attempts"]
+    assert first["began"] == "fresh" and first["start_step"] == 0
+    assert restarted["began"] == "restart" and restarted["start_step"] == 5
     assert (job / "logs" / "attempt_1").is_dir()
     weights = [torch.load(j / "model.pt", weights_only=True) for j in (job, uninterrupted)]
     assert all(torch.equal(weights[0][name], weights[1][name]) for name in weights[1])

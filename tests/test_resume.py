@@ -86,6 +86,13 @@ def stop_and_resume(tmp_path: Path, overrides: list[str]) -> tuple[Path, Path]:
     assert not (stopped / "model.pt").exists()
 
     train(*overrides, f"ckpt_path={checkpoint}", f"hydra.run.dir={resumed}", cwd=tmp_path)
+    # A resume, not a retrain that ignored the checkpoint (it would end with the same
+    # weights too, from the same seed).
+    attempts = json.loads((resumed / "results.json").read_text())["attempts"]
+    assert [(a["began"], a["start_step"], a["world_size"]) for a in attempts] == [
+        ("fresh", 0, 2),
+        ("ckpt_path", STOP_AT_STEP, 2),
+    ]
     return resumed, uninterrupted
 
 
@@ -167,7 +174,13 @@ def test_loader_resumes_after_the_batches_taken_with_the_same_augmentation() -> 
     batches = iter(stopped)
     taken = [next(batches).tolist() for _ in range(2)]
     state = stopped.state_dict()
-    assert state == {"epoch": 3, "batches": 2}
+    # 2 batches of 4 on each of 2 ranks: the first 16 samples of the epoch's order.
+    assert state == {
+        "epoch": 3,
+        "position": 16,
+        "world_size": 2,
+        "batch_size": 4,
+    }
 
     resumed = _loader(rank=1, workers=2)
     resumed.load_state_dict(state)

@@ -145,6 +145,9 @@ def test_preempted_job_saves_requeues_and_resumes_exactly(slurm, tmp_path: Path)
     assert record["requeues"] == 1 and record["resumed_from"] == str(
         job / "checkpoints" / "last.ckpt"
     )
+    first, requeued = record["attempts"]
+    assert first["began"] == "fresh" and first["start_step"] == 0
+    assert requeued["began"] == "requeue" and requeued["start_step"] > 0
     saved = re.search(
         r"Preempted \(SIGUSR2\): saved .* at step (\d+) \(epoch 1, batch (\d+)\)", _job_logs(job)
     )

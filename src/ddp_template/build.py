@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import sys
 from datetime import timedelta
+from typing import Any
 
 import lightning as L
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
+from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import Strategy
 from omegaconf import DictConfig, OmegaConf
 
+from ddp_template.attempts import AttemptLog
+from ddp_template.callbacks.loader_position import LoaderPosition
+from ddp_template.callbacks.resume_agreement import ResumeAgreement
 from ddp_template.callbacks.shared_disk import SharedDiskCheck
+from ddp_template.checkpoint_io import SafeCheckpointIO
 from ddp_template.errors import ConfigError
 from ddp_template.node_check import NodeCheckedDDPStrategy, flat_config
 from ddp_template.trackers import log_config
@@ -87,10 +93,22 @@ def build_callbacks(cfg: DictConfig) -> list[Callback]:
         if node and not (node._target_ == _LR_MONITOR and not cfg.get("logger")):
             callbacks.append(instantiate(node))
     callbacks.append(SharedDiskCheck())
+    # One checkpoint for all ranks, the training loader's position on resume at any world
+    # size, and the attempts the run took (results.json): not optional.
+    callbacks += [ResumeAgreement(), LoaderPosition(), AttemptLog()]
     return callbacks
 
 
 _LR_MONITOR = "lightning.pytorch.callbacks.LearningRateMonitor"
+
+
+def _with_safe_checkpoint_io(plugins: Any) -> list[Any]:
+    """`trainer.plugins`, plus checkpoints written so that they cannot be torn, unless the
+    config names a checkpoint IO of its own."""
+    given = [] if plugins is None else list(plugins) if isinstance(plugins, list) else [plugins]
+    if any(isinstance(plugin, CheckpointIO) for plugin in given):
+        return given
+    return [*given, SafeCheckpointIO()]
 
 
 def build_trainer(cfg: DictConfig, loggers: list[Logger] | None = None) -> L.Trainer:
@@ -104,6 +122,7 @@ def build_trainer(cfg: DictConfig, loggers: list[Logger] | None = None) -> L.Tra
         trainer_args["enable_progress_bar"] = has_progress or sys.stdout.isatty()
     if not trainer_args["enable_progress_bar"]:
         callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
+    trainer_args["plugins"] = _with_safe_checkpoint_io(trainer_args.get("plugins"))
     return L.Trainer(
         accelerator=cfg.accelerator,
         devices=cfg.devices,

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ddp_template.build_check import check_by_building
 from ddp_template.callbacks.progress import check_progress
+from ddp_template.checkpoint_check import check_checkpoint
 from ddp_template.compiling import check_compile
 from ddp_template.errors import ConfigError
 from ddp_template.launch import processes_started_externally
@@ -47,6 +48,7 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.ckpt_path is not None:
         check_checkpoint_file(cfg.ckpt_path)
     check_by_building(cfg)
+    check_checkpoint(cfg)
 
 
 def _resolve_accelerator(value: object) -> str:

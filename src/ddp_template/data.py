@@ -7,8 +7,9 @@ padded with repeated samples so that every rank runs the same number of steps, w
 per-step all-reduce needs. Evaluation shards are *not* padded: every sample is seen exactly
 once, so metrics synchronised over ranks equal those of a single process.
 
-Training loaders resume mid-epoch: Lightning saves a loader's `state_dict` in every
-checkpoint and hands it back to `load_state_dict` on resume (see `ResumableDataLoader`).
+Training loaders resume mid-epoch, at any world size and batch size: Lightning saves a
+loader's `state_dict` (the place in the epoch's global sample order) in every checkpoint and
+hands it back to `load_state_dict` on resume (see `ResumableDistributedSampler`).
 Random augmentation draws from generators seeded per batch by the batch's place in the
 epoch (see `SeededSamples`), never from the training process's own generators, so it is
 the same with or without loader workers, and before and after a resume.
@@ -16,6 +17,7 @@ the same with or without loader workers, and before and after a resume.
 
 from __future__ import annotations
 
+import math
 import random
 import warnings
 from collections.abc import Iterator, Sized
@@ -263,35 +265,86 @@ class SeededIndex(int):
 
 
 class ResumableDistributedSampler(DistributedSampler):
-    """`DistributedSampler` that seeds each batch's augmentation and can start mid-epoch.
+    """`DistributedSampler` that seeds each batch's augmentation and can start mid-epoch,
+    at any world size and batch size.
 
-    Every index carries a seed drawn from (seed, epoch, position of the batch's first
-    sample in the epoch's global order): batches differ across ranks and epochs, and a batch
-    is augmented the same way whichever worker loads it, and after a resume.
+    An epoch has one global order of samples whatever the number of ranks (the permutation
+    `DistributedSampler` draws from seed and epoch). An iteration starts at a position of
+    that order (0, or where a checkpoint stood), takes the rest of it, pads or trims the rest
+    to a multiple of the ranks as `DistributedSampler` does, and deals it out round robin:
+    rank r takes the rest's positions r, r + ranks, r + 2 ranks, ... Each rank's batches
+    being consecutive pieces of its share, the batches all ranks have taken cover a prefix
+    of the global order, whose length (`position_after`) is where a resume continues, with
+    any number of ranks or any batch size. At the same world size and batch size this is
+    exactly `DistributedSampler`'s order, padding included.
+
+    Every index carries a seed drawn from (seed, epoch, global position of the batch's first
+    sample): batches differ across ranks and epochs, and a batch is augmented the same way
+    whichever worker loads it, and after a resume at the same world size.
     """
 
     def __init__(self, *args: Any, batch_size: int = 1, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.batch_size = batch_size
+        # Where the current iteration started in the epoch's global order.
+        self.start = 0
         self._resume: tuple[int, int] | None = None
 
-    def resume_at(self, epoch: int, samples: int) -> None:
-        """The next iteration over `epoch` skips this rank's first `samples` samples."""
-        self._resume = (epoch, samples)
+    def resume_at(self, epoch: int, position: int) -> None:
+        """The next iteration over `epoch` starts at `position` of the epoch's global order
+        (the samples all ranks together had taken)."""
+        self._resume = (epoch, min(position, self._size()))
+
+    @property
+    def resuming(self) -> bool:
+        """The next iteration continues a saved epoch instead of starting one."""
+        return self._resume is not None and self._resume[0] == self.epoch
+
+    def next_start(self) -> int:
+        return self._resume[1] if self._resume is not None and self.resuming else 0
+
+    def share(self, start: int) -> int:
+        """Samples of each rank in an iteration that starts at `start` (equal on all ranks)."""
+        rest = self._size() - start
+        if self.drop_last:
+            return rest // self.num_replicas
+        return math.ceil(rest / self.num_replicas)
+
+    def position_after(self, batches: int) -> int:
+        """The global position once every rank has taken `batches` batches of the current
+        iteration (the repeats that pad the end are not positions of the order)."""
+        return min(self.start + self.samples_in(batches), self._size())
+
+    def samples_in(self, batches: int) -> int:
+        """Samples, all ranks together, in the current iteration's first `batches` batches."""
+        return min(batches * self.batch_size, self.share(self.start)) * self.num_replicas
 
     def __iter__(self) -> Iterator[SeededIndex]:
-        indices = list(super().__iter__())
-        skip = 0
-        if self._resume is not None and self._resume[0] == self.epoch:
-            skip = self._resume[1]
+        self.start = self.next_start()
         self._resume = None
+        order = self._epoch_order()
+        total = self.share(self.start) * self.num_replicas
+        rest = order[self.start :][:total]
+        if total > len(rest):
+            # Padded with the order's first samples, as DistributedSampler pads: the same
+            # repeats as an uninterrupted run at this world size.
+            rest += (order * math.ceil(total / len(order)))[: total - len(rest)]
         seed = 0
-        for position, index in enumerate(indices[skip:], start=skip):
+        for position, index in enumerate(rest[self.rank :: self.num_replicas]):
             if position % self.batch_size == 0:
-                # This rank's samples are at global positions rank, rank + replicas, ...
-                first = position - position % self.batch_size
-                seed = derived_seed(self.seed, self.epoch, first * self.num_replicas + self.rank)
+                first = self.start + position * self.num_replicas + self.rank
+                seed = derived_seed(self.seed, self.epoch, first)
             yield SeededIndex(index, seed)
+
+    def _epoch_order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self._size()))
+        # DistributedSampler's own permutation: it depends on seed and epoch only.
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self._size(), generator=generator).tolist()
+
+    def _size(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]  # sized, as DistributedSampler needs
 
 
 class SeededSamples(Dataset):
@@ -327,17 +380,23 @@ class SeededSamples(Dataset):
 
 
 class ResumableDataLoader(DataLoader):
-    """A DataLoader that Lightning can stop and resume mid-epoch.
+    """A DataLoader that Lightning can stop and resume mid-epoch, at any world size.
 
-    `state_dict` holds the epoch and the number of batches the training loop has taken from
-    the current iteration (counted where they are handed over, not where workers prefetch
-    them). After `load_state_dict`, the next iteration over that epoch starts after those
-    batches: the sampler skips their samples, nothing is loaded twice.
+    `state_dict` holds the epoch, the global position in the epoch's sample order that the
+    batches taken by the training loop cover (counted where they are handed over, not where
+    workers prefetch them), and the world size and batch size it was taken at. After
+    `load_state_dict`, the next iteration over that epoch continues at that position, shared
+    among this run's ranks: every sample of the epoch is trained once, whatever the number
+    of ranks now. `samples_trained` counts the samples this process's training loop took.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._batches_taken = 0
+        # The epoch of the current iteration (None: none started).
+        self._iteration_epoch: int | None = None
+        # Samples of this process's iterations before the current one.
+        self._samples_before = 0
 
     # torch types it as returning DataLoader's own iterator class; this one returns a
     # generator over that iterator on purpose, to count the batches handed over.
@@ -347,22 +406,66 @@ class ResumableDataLoader(DataLoader):
         return self._batches()
 
     def _batches(self) -> Iterator[Any]:
-        sampler = self.sampler
-        resume: tuple[int, int] | None = getattr(sampler, "_resume", None)
+        self._samples_before = self.samples_trained
         self._batches_taken = 0
-        if resume is not None and resume[0] == getattr(sampler, "epoch", None):
-            # Set by load_state_dict, which does so only for a loader with a batch size.
-            self._batches_taken = resume[1] // cast(int, self.batch_size)
+        self._iteration_epoch = getattr(self.sampler, "epoch", None)
         for batch in super().__iter__():
             self._batches_taken += 1
             yield batch
 
+    @property
+    def _resumable(self) -> ResumableDistributedSampler | None:
+        sampler = self.sampler
+        if isinstance(sampler, ResumableDistributedSampler) and self.batch_size is not None:
+            return sampler
+        return None
+
+    @property
+    def samples_trained(self) -> int:
+        """Samples handed to training steps by this process's loader so far, all ranks
+        together (padding repeats included)."""
+        sampler = self._resumable
+        current = sampler.samples_in(self._batches_taken) if sampler else 0
+        return self._samples_before + current
+
+    @property
+    def continues_epoch(self) -> bool:
+        """The next iteration continues an epoch from a checkpoint's position."""
+        sampler = self._resumable
+        return sampler is not None and sampler.resuming
+
+    def batches_left(self) -> int:
+        """Batches of the next iteration (fewer than `len` when it continues an epoch)."""
+        sampler = self._resumable
+        if sampler is None:
+            return len(self)
+        share = sampler.share(sampler.next_start())
+        batch_size = cast(int, self.batch_size)
+        return share // batch_size if self.drop_last else math.ceil(share / batch_size)
+
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": getattr(self.sampler, "epoch", 0), "batches": self._batches_taken}
+        sampler = self._resumable
+        if sampler is None:
+            return {}
+        if sampler.resuming:
+            position = sampler.next_start()
+        elif self._iteration_epoch == sampler.epoch:
+            position = sampler.position_after(self._batches_taken)
+        else:
+            # The epoch is set and its iteration not started yet.
+            position = 0
+        return {
+            "epoch": sampler.epoch,
+            "position": position,
+            "world_size": sampler.num_replicas,
+            "batch_size": cast(int, self.batch_size),
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        sampler = self.sampler
-        if not isinstance(sampler, ResumableDistributedSampler) or self.batch_size is None:
+        sampler = self._resumable
+        if sampler is None or not state:
             return
         sampler.set_epoch(state["epoch"])
-        sampler.resume_at(state["epoch"], state["batches"] * self.batch_size)
+        sampler.resume_at(state["epoch"], state["position"])
+        self._batches_taken = 0
+        self._iteration_epoch = None

@@ -13,8 +13,9 @@ Others (StepLR, ExponentialLR, ...) take their config as it is.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
@@ -126,3 +127,47 @@ def drop_run_length_state(checkpoint: dict[str, Any]) -> None:
     for state in checkpoint.get("lr_schedulers", []):
         for name in RUN_LENGTH_STATE:
             state.pop(name, None)
+
+
+def fit_schedule_to_resumed_run(trainer: L.Trainer, module: L.LightningModule, epoch: int) -> None:
+    """A run resumed in `epoch` (after Lightning counted that epoch's batches done): its
+    schedule, counted in steps, lasts the run's real length, the steps done before plus those
+    left at this run's world size and batch size. At the same world size and batch size that
+    is the length the scheduler was built with (nothing changes); at another, OneCycleLR would
+    otherwise end too early or step past its end (and raise)."""
+    factory = getattr(module, "scheduler_factory", None)
+    if factory is None or getattr(module, "scheduler_interval", None) != "step":
+        return
+    missing = _missing_run_length_args(factory)
+    endless = trainer.max_epochs is None or trainer.max_epochs < 1
+    if not missing or endless or trainer.num_training_batches == float("inf"):
+        return
+    length = trainer.global_step + _steps_left(trainer, epoch)
+    if trainer.max_steps != -1:
+        length = min(length, trainer.max_steps)
+    for config in trainer.lr_scheduler_configs:
+        scheduler = config.scheduler
+        if all(getattr(scheduler, name, length) == length for name in missing):
+            continue
+        # The same schedule built for that length on a stand-in optimizer (building it on
+        # the real one would reset its learning rates); its length-derived state moves over.
+        optimizer = scheduler.optimizer
+        groups = [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": [torch.zeros(1)]}
+            for group in optimizer.param_groups
+        ]
+        # Optimizer classes take their parameter groups first (the base class also defaults).
+        stand_in = cast(Any, type(optimizer))(groups)
+        fresh = factory(stand_in, **dict.fromkeys(missing, length)).state_dict()
+        for name in RUN_LENGTH_STATE:
+            if name in fresh:
+                setattr(scheduler, name, fresh[name])
+
+
+def _steps_left(trainer: L.Trainer, epoch: int) -> int:
+    batches = int(trainer.num_training_batches)
+    per_epoch = math.ceil(batches / trainer.accumulate_grad_batches)
+    done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+    epochs_after = max(int(cast(int, trainer.max_epochs)) - epoch - 1, 0)
+    this_epoch = math.ceil(max(batches - done, 0) / trainer.accumulate_grad_batches)
+    return this_epoch + epochs_after * per_epoch

@@ -81,6 +81,7 @@ def collect_results(
         "global_batch_size": global_batch_size(per_device_batch, trainer.world_size, accumulation),
         "epochs": trainer.current_epoch,
         "global_step": trainer.global_step,
+        **_attempts(trainer),
         "checkpoints": _checkpoints(trainer),
         "weights": str(weights),
         "output_dir": str(cfg.paths.output_dir),
@@ -141,6 +142,17 @@ def _ddp_settings(metrics: dict[str, float]) -> dict[str, Any] | None:
         settings["comm_hook"] = COMM_HOOKS[int(settings["comm_hook"])]
         settings["comm_hook_calls"] = int(settings["comm_hook_calls"])
     return settings
+
+
+def _attempts(trainer: L.Trainer) -> dict[str, Any]:
+    """`attempts`: how each began, its first step, world size and samples trained
+    (attempts.py); `samples_trained`: theirs together, all ranks."""
+    from ddp_template.attempts import AttemptLog
+
+    logs = [c for c in trainer.callbacks if isinstance(c, AttemptLog)]  # type: ignore[attr-defined]
+    if not logs:
+        return {"attempts": [], "samples_trained": None}
+    return {"attempts": logs[0].attempts, "samples_trained": logs[0].samples_trained}
 
 
 def _best_score(trainer: L.Trainer) -> float | None:

@@ -136,6 +136,7 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     """What every rank runs. Returns rank 0's results (None on the other ranks)."""
     import lightning as L
 
+    from ddp_template.attempts import requeue_count, restart_count
     from ddp_template.build import build_task, build_trainer
     from ddp_template.callbacks.ddp_settings import DDPSettingsMonitor
     from ddp_template.compiling import compile_if_asked
@@ -180,8 +181,8 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     weights = job_dir / WEIGHTS_FILE
     export_weights(module.model, weights)
     results = collect_results(cfg, trainer, fit_metrics, test_metrics, weights)
-    results["restarts"] = _restart_count()
-    results["requeues"] = _requeue_count()
+    results["restarts"] = restart_count()
+    results["requeues"] = requeue_count()
     results["resumed_from"] = ckpt_path
     results["nodes"] = nodes_of_job()
     monitors = [c for c in trainer.callbacks if isinstance(c, DDPSettingsMonitor)]
@@ -191,23 +192,20 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     return results
 
 
-def _restart_count() -> int:
-    """Restarts of the worker group by the elastic agent (max_restarts)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def _requeue_count() -> int:
-    """Requeues of the SLURM job (preemption, time limit)."""
-    return int(os.environ.get("SLURM_RESTART_COUNT", "0"))
-
-
 def _resume_point(cfg: DictConfig) -> str | None:
     """A restart of the worker group or a SLURM requeue continues from the job's newest
-    checkpoint; a fresh start from `ckpt_path` (usually none)."""
-    restarted = _restart_count() > 0 or _requeue_count() > 0 or _rejoined_by_torchrun(cfg)
-    last = last_checkpoint(cfg)
-    if restarted and last.is_file():
-        return str(last)
+    complete checkpoint (`last.ckpt`, else the previous one, with a line saying so); a
+    fresh start from `ckpt_path` (usually none)."""
+    from ddp_template.attempts import requeue_count, restart_count
+    from ddp_template.checkpoint_check import newest_complete
+
+    if restart_count() > 0 or requeue_count() > 0 or _rejoined_by_torchrun(cfg):
+        resume_from, note = newest_complete(last_checkpoint(cfg))
+        if note and os.environ.get("RANK", "0") == "0":
+            # stdout: rank 0's reaches the console under this project's launcher.
+            print(note, flush=True)
+        if resume_from is not None:
+            return str(resume_from)
     return cfg.ckpt_path
 
 

@@ -7,7 +7,9 @@ training loader's position (`data.ResumableDataLoader`). This callback adds the 
   so dropout differs across ranks while a run stays reproducible for a seed and world size.
   The initial weights were drawn before, from `seed` alone, the same on every rank.
 - Every rank's generator states (torch, CUDA, NumPy, Python) and communication hook state
-  (PowerSGD), gathered to rank 0, which writes the checkpoint. Checkpoints are therefore
+  (PowerSGD), gathered to rank 0 only, which writes the checkpoint: the other ranks hold
+  their own state alone (PowerSGD's error feedback is about the model's size per rank, so
+  gathering to every rank would hold world-size copies on each). Checkpoints are therefore
   saved on all ranks together, as Lightning requires (ModelCheckpoint does;
   `trainer.save_checkpoint(path)` must be called on every rank).
 
@@ -23,7 +25,6 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
-from lightning.pytorch.utilities import rank_zero_warn
 
 from ddp_template.comm_hooks import hook_state_dict, load_hook_state_dict
 from ddp_template.rng import derived_seed, numpy_state, plain_numpy_state
@@ -57,38 +58,39 @@ class ResumeState(L.Callback):
             "rng": _plain_rng_states(_collect_rng_states(include_cuda=torch.cuda.is_available())),
             "comm_hook": hook_state_dict(trainer.strategy.model),
         }
-        return {"ranks": _gather(mine, trainer.world_size)}
+        gathered = _gather_to_rank_zero(mine, trainer)
+        # Only rank 0's checkpoint is written; the others' states are in it.
+        return {"ranks": gathered} if gathered is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._to_restore = state_dict or None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Lightning hands the saved loader position to the loader when it sets the loader
-        # up; a scheduler sized by `trainer.estimated_stepping_batches` makes it set the
-        # loader up before the checkpoint is read, and the position would be dropped. The
-        # loader starts iterating at its first batch, still to come here.
-        trainer.fit_loop._load_combined_loader_states()
         saved, self._to_restore = self._to_restore, None
         if saved is None:
             return
         ranks = saved["ranks"]
         if len(ranks) != trainer.world_size:
-            rank_zero_warn(
-                f"The checkpoint was saved by {len(ranks)} ranks and this run has"
-                f" {trainer.world_size}: random numbers and gradient compression start afresh,"
-                " so training does not continue exactly as the saved run would have."
-            )
+            if trainer.is_global_zero:
+                # stdout: rank 0's reaches the console under this project's launcher.
+                print(
+                    f"Resuming at world size {trainer.world_size} from a checkpoint saved at"
+                    f" world size {len(ranks)}: the data continues where it stood; each rank's"
+                    " random numbers and gradient compression state (PowerSGD) start afresh.",
+                    flush=True,
+                )
             return
         mine = ranks[trainer.global_rank]
         _set_rng_states(_rng_states(mine["rng"]))
         load_hook_state_dict(trainer.strategy.model, mine["comm_hook"])
 
 
-def _gather(mine: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
-    if world_size == 1 or not dist.is_available() or not dist.is_initialized():
+def _gather_to_rank_zero(mine: dict[str, Any], trainer: L.Trainer) -> list[Any] | None:
+    """Every rank's state on rank 0 (None on the other ranks)."""
+    if trainer.world_size == 1 or not dist.is_available() or not dist.is_initialized():
         return [mine]
-    everyone: list[Any] = [None] * world_size
-    dist.all_gather_object(everyone, mine)
+    everyone: list[Any] | None = [None] * trainer.world_size if trainer.is_global_zero else None
+    dist.gather_object(mine, everyone, dst=0)
     return everyone
 
 
