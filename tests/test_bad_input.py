@@ -218,7 +218,7 @@ def test_exported_weights_are_not_a_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         check_config(compose_train(f"ckpt_path={tmp_path / 'model.pt'}"))
     assert err.value.key == "ckpt_path"
-    assert "bare weights (the model.pt a run exports)" in str(err.value)
+    assert "a model's weights alone, such as the exported model.pt" in str(err.value)
     assert "checkpoints/last.ckpt" in err.value.fix
 
 
@@ -230,7 +230,11 @@ def test_checkpoint_of_another_task_is_one_paragraph(tmp_path: Path) -> None:
         _, module = build_task(compose_train(f"task={task}"))
         checkpoints[task] = tmp_path / f"{task}.ckpt"
         torch.save(
-            {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)},
+            {
+                "state_dict": module.state_dict(),
+                "hyper_parameters": dict(module.hparams),
+                "loops": {},
+            },
             checkpoints[task],
         )
     check_config(compose_train(f"ckpt_path={checkpoints['image_classification']}"))

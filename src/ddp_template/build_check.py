@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import pickle
 import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
@@ -60,8 +59,6 @@ def check_by_building(cfg: DictConfig) -> None:
     sizes = cast("ShardedDataModule", datamodule).split_sizes()
     if sizes is not None:
         check_split_sizes(cfg, sizes, module)
-    if cfg.ckpt_path is not None:
-        check_checkpoint_fits(cfg.ckpt_path, module)
 
 
 def check_split_sizes(cfg: DictConfig, sizes: tuple[int, int, int], model: torch.nn.Module) -> None:
@@ -122,68 +119,6 @@ def _check_epoch_batches(trainer: DictConfig, batches: int) -> None:
             f"e.g. trainer.val_check_interval={batches}, or 0.5; or add "
             "trainer.check_val_every_n_epoch=null to count batches across epochs",
         )
-
-
-def check_checkpoint_fits(path: str, module: torch.nn.Module) -> None:
-    """A Lightning checkpoint (not the bare weights a run exports) of the model this config
-    builds: the same weights by name and shape. Loaded memory-mapped: nothing is read but
-    its index."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, OSError):
-        return  # not plain data: the worker's loader says what it is
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        bare = isinstance(checkpoint, dict) and all(
-            isinstance(value, torch.Tensor) for value in checkpoint.values()
-        )
-        what = "bare weights (the model.pt a run exports)" if bare else "no state_dict"
-        raise ConfigError(
-            "ckpt_path",
-            path,
-            f"a Lightning checkpoint (weights, optimizer, scheduler and loop state) to resume "
-            f"from; this file holds {what}",
-            "resume from the run's checkpoints/last.ckpt (or best.ckpt); model.pt loads into "
-            "the model itself: model.load_state_dict(torch.load(path, weights_only=True))",
-        )
-    saved = {key: tuple(value.shape) for key, value in checkpoint["state_dict"].items()}
-    built = {key: tuple(value.shape) for key, value in module.state_dict().items()}
-    if saved == built:
-        return
-    unknown = [key for key in saved if key not in built]
-    missing = [key for key in built if key not in saved]
-    reshaped = [key for key in saved if key in built and saved[key] != built[key]]
-    found = []
-    if unknown:
-        found.append(
-            f"{len(unknown)} of its {len(saved)} weights are not in it (e.g. {unknown[0]})"
-        )
-    if missing:
-        found.append(f"{len(missing)} of the model's {len(built)} are missing (e.g. {missing[0]})")
-    if reshaped:
-        key = reshaped[0]
-        found.append(
-            f"{len(reshaped)} differ in shape (e.g. {key}: {list(saved[key])} there, "
-            f"{list(built[key])} here)"
-        )
-    differences = _hyperparameter_differences(checkpoint.get("hyper_parameters") or {}, module)
-    raise ConfigError(
-        "ckpt_path",
-        path,
-        f"a checkpoint of the model this config builds ({type(module).__name__}); "
-        f"{'; '.join(found)}" + (f"; it was trained with {differences}" if differences else ""),
-        "run with the task and options it was trained with (its run's .hydra/overrides.yaml), "
-        "or leave ckpt_path out to start afresh",
-    )
-
-
-def _hyperparameter_differences(saved: dict[str, Any], module: torch.nn.Module) -> str:
-    built = dict(getattr(module, "hparams", {}))
-    differ = [
-        f"{key}={saved[key]!r} (here {built.get(key, 'not set')!r})"
-        for key in saved
-        if built.get(key, MISSING) != saved[key]
-    ]
-    return ", ".join(differ[:4])
 
 
 _TOP_LEVEL = ("accelerator", "devices", "num_nodes", "precision", "sync_batchnorm")

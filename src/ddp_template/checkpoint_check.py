@@ -100,14 +100,28 @@ def check_checkpoint(cfg: DictConfig) -> None:
         _, module = build_task(cfg)
     difference = _difference(saved["state_dict"], module.state_dict())
     if difference:
+        trained = _hyperparameter_differences(saved.get("hyper_parameters") or {}, module)
         raise ConfigError(
             "ckpt_path",
             cfg.ckpt_path,
-            f"a checkpoint of the model this config builds (task={cfg.task.name}, "
-            f"data={cfg.data.name}); this one was saved from another model: {difference}",
+            f"a checkpoint of the model this config builds ({type(module).__name__}, "
+            f"task={cfg.task.name}, data={cfg.data.name}); this one was saved from another "
+            f"model: {difference}" + (f"; it was trained with {trained}" if trained else ""),
             "resume with the task=, data= and task.module.model settings the checkpoint was "
-            "saved with, or leave ckpt_path out to start afresh",
+            "saved with (its run's .hydra/overrides.yaml), or leave ckpt_path out to start afresh",
         )
+
+
+def _hyperparameter_differences(saved: dict[str, Any], module: Any) -> str:
+    """The module's arguments the checkpoint was saved with that differ from this one's."""
+    built = dict(getattr(module, "hparams", {}))
+    missing = object()
+    differ = [
+        f"{key}={saved[key]!r} (here {built.get(key, 'not set')!r})"
+        for key in saved
+        if built.get(key, missing) != saved[key]
+    ]
+    return ", ".join(differ[:4])
 
 
 def _what_it_holds(saved: object) -> str:
