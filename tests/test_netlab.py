@@ -189,7 +189,10 @@ def test_nodes_started_with_different_configs_are_refused(lab: Lab, tmp_path: Pa
     for code, out, err, _ in ran:
         assert code != 0
         # c10d numbers the nodes in the order they joined: either may be node 0.
-        assert "error: The nodes of this job were started with different configs: seed: " in err
+        assert (
+            "error: The nodes of this job were started with different configs: "
+            "seed, callbacks.resume_state.seed: " in err
+        )
         assert "1 on node" in err and "2 on node" in err and "Fix:" in err, err[-3000:]
         # The rank ends with the paragraph and exit code 2; no traceback through our code.
         assert "exitcode  : 2" in err and OUR_TRACEBACK not in err

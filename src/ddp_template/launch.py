@@ -35,7 +35,7 @@ from torch.distributed.elastic.multiprocessing.errors import (
     get_error_handler,
     record,
 )
-from torch.distributed.elastic.rendezvous.api import RendezvousError
+from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ddp_template.errors import TrainingStopped, UserFacingError, WorkerFailed
@@ -68,7 +68,7 @@ def record_failures(worker: Worker) -> Worker:
 
     @functools.wraps(worker)
     def wrapper(config: dict[str, Any]) -> Any:
-        if not processes_started_externally():
+        if _OWN_WORKER or not processes_started_externally():
             return recorded(config)
         try:
             return worker(config)
@@ -123,7 +123,8 @@ def launch(
     # A fresh rendezvous store for each attempt: with the agent's shared store, restarted
     # gloo workers read the dead workers' addresses and fail to connect (or hang).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    log_dir = job_dir / "logs"
+    # With several nodes on one shared folder, each node's agent keeps its own logs.
+    log_dir = job_dir / "logs" if nodes is None else job_dir / "logs" / f"node_{nodes.rank}"
     start_method = worker_start_method()
     one_node = {
         "min_nodes": 1,
@@ -155,19 +156,26 @@ def launch(
         if nodes is None:
             raise
         raise _nodes_did_not_meet(nodes, failure) from None
-    return returns[0]
+    # Keyed by global rank: only node 0 holds rank 0's results.
+    return returns.get(0)
 
 
 def _nodes_did_not_meet(nodes: Nodes, failure: Exception) -> UserFacingError:
     import socket
 
+    where = f"{nodes.master_addr}:{nodes.master_port}"
+    this = f"Node {nodes.rank} ({socket.gethostname()})"
+    if isinstance(failure, RendezvousTimeoutError):
+        return UserFacingError(
+            f"{this} waited {nodes.timeout_s:g} s for the {nodes.count} nodes of job "
+            f"{nodes.job_id} at {where} and they did not all come. Fix: start every node "
+            "with the same command, its own network.node_rank and the same network.job_id, "
+            "within network.timeout_s of each other"
+        )
     return UserFacingError(
-        f"Node {nodes.rank} ({socket.gethostname()}) waited {nodes.timeout_s:g} s for the "
-        f"{nodes.count} nodes of job {nodes.job_id} at {nodes.master_addr}:"
-        f"{nodes.master_port} and they did not all come ({type(failure).__name__}: "
-        f"{str(failure).strip() or 'timed out'}). Fix: start every node with the same command, "
-        "its own network.node_rank and the same network.job_id, within network.timeout_s "
-        "of each other"
+        f"{this} lost the rendezvous of job {nodes.job_id} at {where} "
+        f"({type(failure).__name__}): node 0, which hosts it, stopped. Fix: see node 0's "
+        "output for why (its message names the cause)"
     )
 
 
@@ -205,9 +213,16 @@ def worker_start_method() -> str:
     return "fork"
 
 
+# True in a worker this project's agent started (its failures are described by that agent
+# from their error files), False under torchrun, srun or in the launching process.
+_OWN_WORKER = False
+
+
 def _start_worker(worker: Worker, config: dict[str, Any], start_method: str) -> Any:
     """The worker process's entry: a forked one first drops what it copied of the launching
     process and would not have as a fresh interpreter."""
+    global _OWN_WORKER
+    _OWN_WORKER = True
     if start_method != "fork":
         return worker(config)
     _forget_launching_process()

@@ -38,16 +38,16 @@ import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
 
 from ddp_template.comm_hooks import CommHookDDPStrategy
-from ddp_template.errors import UserFacingError
+from ddp_template.errors import TrainingStopped
 from ddp_template.network import Endpoint, choose_endpoint, use_endpoint
 
 # Keys that may differ between nodes: they describe where a node is, not what it trains.
-NODE_LOCAL_KEYS = ("network.interface",)
+NODE_LOCAL_KEYS = ("network.interface", "network.node_rank")
 # What the report and results.json show of each node (set on every rank, filled on rank 0).
 NODES: list[dict[str, Any]] = []
 
 
-class NodesDisagree(UserFacingError):
+class NodesDisagree(TrainingStopped):
     """The nodes of one job cannot train together; the message says why and how to fix it."""
 
 

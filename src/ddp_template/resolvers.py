@@ -63,14 +63,15 @@ def _process_stamp(pid: int) -> str:
     return time.strftime(STAMP_FORMAT, time.localtime(started)) + f"_{pid}"
 
 
-def if_rank_zero(value: str) -> str | None:
-    """`value` on global rank 0, None elsewhere (Hydra then skips that output)."""
-    return value if launch_rank() == 0 else None
+def if_rank_zero(value: str, node_rank: object = None) -> str | None:
+    """`value` on global rank 0, None elsewhere (Hydra then skips that output).
+    `node_rank` (`network.node_rank`): this project's agent on a node other than 0."""
+    return value if launch_rank() == 0 and node_rank in (None, 0) else None
 
 
-def rank_zero_file(path: str) -> str:
+def rank_zero_file(path: str, node_rank: object = None) -> str:
     """`path` on global rank 0, the null device elsewhere (for log files)."""
-    return path if launch_rank() == 0 else os.devnull
+    return path if launch_rank() == 0 and node_rank in (None, 0) else os.devnull
 
 
 def add(*values: int) -> int:
