@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from datetime import timedelta
 
 import lightning as L
@@ -13,8 +12,10 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from omegaconf import DictConfig, OmegaConf
 
+from ddp_template.callbacks.progress import on_terminal
 from ddp_template.callbacks.shared_disk import SharedDiskCheck
 from ddp_template.comm_hooks import CommHookDDPStrategy
+from ddp_template.environments import cluster_environment
 from ddp_template.errors import ConfigError
 from ddp_template.trackers import log_config
 
@@ -96,9 +97,12 @@ def build_trainer(cfg: DictConfig, loggers: list[Logger] | None = None) -> L.Tra
     # it, Lightning's own bar only on a terminal.
     has_progress = any(isinstance(c, ProgressBar) for c in callbacks)
     if trainer_args.get("enable_progress_bar") is None:
-        trainer_args["enable_progress_bar"] = has_progress or sys.stdout.isatty()
+        trainer_args["enable_progress_bar"] = has_progress or on_terminal()
     if not trainer_args["enable_progress_bar"]:
         callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
+    environment = cluster_environment()
+    if environment is not None:
+        trainer_args["plugins"] = [*(trainer_args.get("plugins") or []), environment]
     return L.Trainer(
         accelerator=cfg.accelerator,
         devices=cfg.devices,

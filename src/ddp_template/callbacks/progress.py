@@ -22,9 +22,19 @@ def progress_reporter(
     every_n_steps: int | None = None, every_s: float | None = 30.0
 ) -> ProgressBar:
     """The bar when rank 0's stdout is a terminal, else `ProgressLines`."""
-    if sys.stdout.isatty():
+    if on_terminal():
         return RichProgressBar()
     return ProgressLines(every_n_steps=every_n_steps, every_s=every_s)
+
+
+def on_terminal() -> bool:
+    """Whether this rank draws a live bar. The same answer on every rank: the bar reduces
+    metrics over ranks as it draws, so ranks that differ would wait in different
+    collectives. Ranks started by mpirun, srun, jsrun or a PyTorchJob each get their own
+    kind of stream (mpirun gave rank 0 a terminal and not the others), so they print lines."""
+    from ddp_template.world import started_by
+
+    return sys.stdout.isatty() and started_by() in (None, "torchrun")
 
 
 def check_progress(cfg: DictConfig) -> None:
