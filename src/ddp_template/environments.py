@@ -17,7 +17,7 @@ from lightning.fabric.plugins.environments import (
     SLURMEnvironment,
 )
 
-from ddp_template.world import interactive_srun_task, started_by
+from ddp_template.world import OMPI_JOB_ID, interactive_srun_task, started_by
 
 
 def cluster_environment() -> ClusterEnvironment | None:
@@ -55,7 +55,7 @@ class OpenMPIEnvironment(ClusterEnvironment):
     def main_port(self) -> int:
         if "MASTER_PORT" in os.environ:
             return int(os.environ["MASTER_PORT"])
-        return job_port(os.environ.get("OMPI_MCA_ess_base_jobid", "0"))
+        return job_port(os.environ.get(OMPI_JOB_ID, "0"))
 
     @staticmethod
     def detect() -> bool:

@@ -246,7 +246,11 @@ def _run_in_lanes(
 ) -> list[JobReturn]:
     on_gpus = any(lane.gpus is not None for lane in lanes)
     start_method = job_start_method(on_gpus)
-    context = multiprocessing.get_context(start_method)
+    context = (
+        multiprocessing.get_context("fork")
+        if start_method == "fork"
+        else multiprocessing.get_context("spawn")
+    )
     # A spawned job starts in a fresh interpreter: it gets Hydra's global state and the
     # task function by name (Hydra hands the launcher the undecorated function).
     task = task_function if start_method == "fork" else _task_reference(task_function)

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from ddp_template import metrics
 from ddp_template.topology import cores_per_process
-from ddp_template.world import started_by
+from ddp_template.world import OMPI_JOB_ID, started_by
 
 STAMP_FORMAT = "%Y-%m-%d/%H-%M-%S"
 
@@ -63,8 +63,8 @@ def job_stamp() -> str:
         return f"slurm/{os.environ['SLURM_JOB_ID']}.{step}"
     if launcher == "kubeflow":
         return f"kubeflow/{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}"
-    if launcher == "mpirun" and "OMPI_MCA_ess_base_jobid" in os.environ:
-        return f"mpirun/{os.environ['OMPI_MCA_ess_base_jobid']}"
+    if launcher == "mpirun" and OMPI_JOB_ID in os.environ:
+        return f"mpirun/{os.environ[OMPI_JOB_ID]}"
     if launcher == "jsrun":
         return f"lsf/{os.environ['LSB_JOBID']}"
     return _process_stamp(os.getpid())

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from ddp_template.errors import ConfigError, UserFacingError
 
 AUTO = "auto"
+# Open MPI's id of the mpirun job, the same in all its processes (Open MPI's own spelling).
+OMPI_JOB_ID = "OMPI_MCA_ess_base_jobid"
 
 
 @dataclass(frozen=True)
