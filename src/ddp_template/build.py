@@ -12,6 +12,7 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from omegaconf import DictConfig, OmegaConf
 
+from ddp_template.callbacks.model_summary import TrainingFlopsSummary
 from ddp_template.callbacks.progress import on_terminal
 from ddp_template.callbacks.shared_disk import SharedDiskCheck
 from ddp_template.comm_hooks import CommHookDDPStrategy
@@ -100,6 +101,9 @@ def build_trainer(cfg: DictConfig, loggers: list[Logger] | None = None) -> L.Tra
         trainer_args["enable_progress_bar"] = has_progress or on_terminal()
     if not trainer_args["enable_progress_bar"]:
         callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
+    if trainer_args.get("enable_model_summary", True):
+        # Lightning's own would print `Total FLOPs: 0` (callbacks/model_summary.py).
+        callbacks.append(TrainingFlopsSummary())
     environment = cluster_environment()
     if environment is not None:
         trainer_args["plugins"] = [*(trainer_args.get("plugins") or []), environment]
