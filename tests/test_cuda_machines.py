@@ -17,7 +17,6 @@ from conftest import FAST, TESTS, compose_train, subprocess_env
 
 from ddp_template.checks import check_config, resolve_accelerator, resolve_devices
 from ddp_template.errors import ConfigError
-from ddp_template.launch import worker_start_method
 
 needs_cuda_build = pytest.mark.skipif(
     not torch.cuda._is_compiled(), reason="torch built without CUDA: it counts no GPU at all"
@@ -59,17 +58,6 @@ def test_workers_forked_only_where_a_forked_child_can_use_cuda(
     assert found["worker_in_bad_fork"] is False
     # ... and the hazard is real: counted through the CUDA runtime, a fork could not.
     assert found["forked_in_bad_fork"] is (name != "nvml")
-
-
-def test_fork_is_refused_beside_a_native_thread() -> None:
-    """A TCPStore's server runs on a C++ thread that `threading` does not list."""
-    before = worker_start_method(on_cuda=False)
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    try:
-        assert worker_start_method(on_cuda=False) == "spawn"
-    finally:
-        del store
-    assert before == "fork"
 
 
 @pytest.fixture

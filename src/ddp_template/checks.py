@@ -78,7 +78,8 @@ def resolve_accelerator(value: object) -> str:
             value,
             f"a GPU for this process, and {launcher} started it without one "
             f"(CUDA_VISIBLE_DEVICES {shown}, torch sees no GPU)",
-            f"{GPU_REQUEST[launcher]}; or accelerator=cpu",
+            f"{GPU_REQUEST.get(launcher, 'ask the launcher for one GPU per process')}; or "
+            "accelerator=cpu",
         )
     return "cuda" if value == "gpu" else str(value)
 

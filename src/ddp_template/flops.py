@@ -97,7 +97,9 @@ def training_flops_per_sample(model: torch.nn.Module, batch: Any) -> float | Non
     meta_inputs = torch.empty_like(inputs, device="meta")
     try:
         flops = measure_flops(meta_model, lambda: meta_model(meta_inputs), _loss)
-    except (RuntimeError, NotImplementedError, TypeError):
+    except Exception:
+        # An operation without a meta kernel, a model that wants more than the batch's
+        # first element: the run trains all the same, its FLOPs are unknown (null).
         return None
     return flops / len(inputs) if flops else None
 
