@@ -10,9 +10,10 @@ Workers are forked from the launching process where that is safe (`worker_start_
 has already imported torch and Lightning to check the config, so workers start in a fraction
 of a second instead of importing them again. Otherwise they are spawned (fresh interpreters).
 
-The agent forks the workers after its rendezvous, while two threads of its own are alive:
-the rendezvous store's server (a C++ thread) and its keep-alive timer. That fork is kept on
-purpose: the worker never uses what those threads own (it connects to a store of its own,
+The agent forks the workers after its rendezvous, while a thread of its own is alive: the
+rendezvous store's server (a C++ thread, `pt_tcpstore_uv` in /proc; the only thread besides
+the main one and OpenBLAS's seen in the launching process while its workers ran). That fork
+is kept on purpose: the worker never uses what those threads own (it connects to a store of its own,
 hosted by rank 0: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, and the copied sockets and locks are
 never touched), and glibc's allocator and CPython reset their own locks in the child. What
 `worker_start_method` refuses to copy is a thread of the launching process from before the
