@@ -151,6 +151,12 @@ def test_jsrun_is_one_job(launched, tmp_path: Path) -> None:
     assert (trainer.world_size, trainer.global_rank) == (2, 1)
 
 
+def test_jsrun_without_lsf_variables_is_refused(launched) -> None:
+    launched(JSM_NAMESPACE_SIZE="2", JSM_NAMESPACE_RANK="0", JSM_NAMESPACE_LOCAL_RANK="0")
+    with pytest.raises(UserFacingError, match="LSB_JOBID, LSB_DJOB_RANKFILE is unset"):
+        check_config(compose_train(*TINY))
+
+
 def test_mpirun_ranks_agree_on_one_folder_and_a_port(launched) -> None:
     stamps, ports = set(), set()
     for rank in (0, 1):

@@ -65,7 +65,7 @@ def job_stamp() -> str:
         return f"kubeflow/{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}"
     if launcher == "mpirun" and OMPI_JOB_ID in os.environ:
         return f"mpirun/{os.environ[OMPI_JOB_ID]}"
-    if launcher == "jsrun":
+    if launcher == "jsrun" and "LSB_JOBID" in os.environ:
         return f"lsf/{os.environ['LSB_JOBID']}"
     return _process_stamp(os.getpid())
 

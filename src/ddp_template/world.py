@@ -45,10 +45,7 @@ def started_by() -> str | None:
         return "torchrun"
     if _srun_tasks():
         return "srun"
-    # Lightning's own test, so that both agree on who ranks the processes.
-    from lightning.fabric.plugins.environments import LSFEnvironment
-
-    if LSFEnvironment.detect() and _env_int("JSM_NAMESPACE_SIZE", 1) > 1:
+    if _env_int("JSM_NAMESPACE_SIZE", 1) > 1:
         return "jsrun"
     if _env_int("OMPI_COMM_WORLD_SIZE", 1) > 1:
         return "mpirun"
@@ -247,7 +244,19 @@ def _mpirun_world(devices: object) -> LaunchedWorld:
 
 
 def _jsrun_world(devices: object) -> LaunchedWorld:
+    # Lightning's own test, so that both agree on who ranks the processes.
+    from lightning.fabric.plugins.environments import LSFEnvironment
+
     size = _env_int("JSM_NAMESPACE_SIZE", 1)
+    if not LSFEnvironment.detect():
+        wanted = ("LSB_JOBID", "LSB_DJOB_RANKFILE", "JSM_NAMESPACE_LOCAL_RANK")
+        missing = ", ".join(name for name in wanted if name not in os.environ)
+        raise UserFacingError(
+            f"jsrun started this process as one of {size} (JSM_NAMESPACE_SIZE), but {missing} "
+            "is unset, so Lightning's LSF environment cannot rank the processes (each would "
+            "train alone). Start the job with jsrun inside an LSF job (bsub), which sets them, "
+            "or start one torchrun per node instead."
+        )
     # The first line of the rank file is the launch node, which runs no rank (Lightning's
     # LSFEnvironment reads it the same way).
     with open(os.environ["LSB_DJOB_RANKFILE"]) as rankfile:
