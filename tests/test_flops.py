@@ -70,3 +70,30 @@ def test_mfu_is_the_achieved_share_of_each_devices_peak() -> None:
     assert metrics["perf/mfu"] == pytest.approx(0.5)
     monitor.peak_tflops = None
     assert "perf/mfu" not in monitor.flops_metrics(1000.0, 2)
+
+
+def test_float32_runs_are_measured_against_what_their_work_runs_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On an A100 (as torch would name it), float32 convolutions run on TF32 tensor cores
+    (cuDNN's switch, on by default) and float32 matrix products only when torch's matmul
+    precision allows it."""
+    from ddp_template.flops import device_peak_tflops
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    gpu = torch.device("cuda", 0)
+    convolutional = torch.nn.Conv2d(3, 4, 3)
+    linear = torch.nn.Linear(4, 4)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    assert device_peak_tflops(gpu, "32-true", convolutional) == 156.0
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert device_peak_tflops(gpu, "32-true", linear) == 19.5
+        torch.set_float32_matmul_precision("high")
+        assert device_peak_tflops(gpu, "32-true", linear) == 156.0
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert device_peak_tflops(gpu, "bf16-mixed", linear) == 312.0
+    assert device_peak_tflops(torch.device("cpu"), "bf16-mixed", linear) is None

@@ -64,15 +64,22 @@ def peak_tflops(device_name: str, precision: str, tf32: bool) -> float | None:
     return None
 
 
-def device_peak_tflops(device: torch.device, precision: str) -> float | None:
+def device_peak_tflops(
+    device: torch.device, precision: str, model: torch.nn.Module
+) -> float | None:
     """The peak of this rank's device (CUDA only; CPUs have no entry)."""
     if device.type != "cuda":
         return None
-    # TF32 runs float32 matrix products where torch allows it (Ampere and newer).
-    tf32 = (
-        torch.get_float32_matmul_precision() != "highest"
-        and torch.cuda.get_device_capability(device)[0] >= 8
+    # float32 work runs on TF32 tensor cores where torch allows it (Ampere and newer):
+    # matrix products by torch's matmul precision, convolutions by cuDNN's switch (on by
+    # default), so a model's largest kind of work decides.
+    convolutional = any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
+    allowed = (
+        torch.backends.cudnn.allow_tf32
+        if convolutional
+        else torch.get_float32_matmul_precision() != "highest"
     )
+    tf32 = allowed and torch.cuda.get_device_capability(device)[0] >= 8
     return peak_tflops(torch.cuda.get_device_name(device), precision, tf32)
 
 

@@ -71,7 +71,7 @@ class SpeedMonitor(L.Callback):
         reset_peak_memory(pl_module.device)
         self.flops_per_sample = None
         self._flops_counted = False
-        self.peak_tflops = device_peak_tflops(pl_module.device, str(trainer.precision))
+        self.peak_tflops = device_peak_tflops(pl_module.device, str(trainer.precision), pl_module)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._previous_end = None
