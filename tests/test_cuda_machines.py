@@ -120,6 +120,17 @@ def test_more_devices_than_cuda_visible_devices_lists(monkeypatch: pytest.Monkey
         resolve_devices(4, "cuda")
 
 
+def test_a_launcher_that_shows_each_rank_one_gpu_is_told_to_show_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """srun --gpus-per-task=1: each task sees one GPU, and a rank takes the GPU of its
+    local rank among those it sees."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(ConfigError, match="let torchrun show every process all 2 GPUs"):
+        resolve_devices(2, "cuda")
+
+
 def test_several_devices_on_a_mig_instance(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", MIG)
     with pytest.raises(ConfigError, match="1 on a MIG instance"):

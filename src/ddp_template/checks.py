@@ -115,11 +115,19 @@ def resolve_devices(value: object, accelerator: str) -> int:
             "devices=1, or whole GPUs (CUDA_VISIBLE_DEVICES=0,1) for data-parallel training",
         )
     if listed is not None and value > len(listed):
+        launcher = started_by()
+        fix = (
+            f"devices={len(listed)} or fewer, or list more GPUs in CUDA_VISIBLE_DEVICES"
+            if launcher is None
+            # Each rank takes the GPU of its local rank among those it sees.
+            else f"let {launcher} show every process all {value} GPUs of its node (srun: "
+            "--gpus-per-node rather than --gpus-per-task=1)"
+        )
         raise ConfigError(
             "devices",
             value,
             f"at most the {len(listed)} GPUs CUDA_VISIBLE_DEVICES={os.environ[VISIBLE]!r} lists",
-            f"devices={len(listed)} or fewer, or list more GPUs in CUDA_VISIBLE_DEVICES",
+            fix,
         )
     if value > torch.cuda.device_count():
         raise ConfigError(
