@@ -439,6 +439,9 @@ def benchmark_row(results: dict[str, Any]) -> dict[str, Any]:
     return {
         "status": "passed",
         "images_per_sec": results["samples_per_sec"],
+        # Training FLOPs counted on a meta copy; MFU against the data sheet's dense peak.
+        "tflops_per_sec_per_device": results.get("tflops_per_sec_per_device"),
+        "mfu": results.get("mfu"),
         "step_time_median_s": results["step_time_median_s"],
         "data_wait_fraction": results["data_wait_fraction"],
         "peak_memory_mb": results["peak_memory_mb"],

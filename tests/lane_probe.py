@@ -13,6 +13,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from hydra.experimental.callback import Callback
 
 
 class LaneProbe(L.Callback):
@@ -76,3 +77,13 @@ class KillOwnProcess(L.Callback):
         if batch_idx == self.at_step:
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class ThreadInSweep(Callback):
+    """Hydra callback: a thread in the sweep's process from the start of the sweep (a
+    tracker's uploader would be one), so that its jobs cannot be forked."""
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        import threading
+
+        threading.Thread(target=threading.Event().wait, daemon=True).start()

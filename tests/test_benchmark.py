@@ -59,6 +59,13 @@ def test_each_recipe_records_the_benchmark_figures(recipe_sweep: Path) -> None:
         assert out["samples_per_sec_per_device"] == out["samples_per_sec"]
         assert 0 < out["step_time_median_s"] <= out["step_time_p90_s"]
         assert 0 <= out["data_wait_fraction"] < 1
+        # Counted once on a meta copy; the rate follows from it; no MFU on the CPU.
+        assert out["flops_per_sample"] > 0
+        assert out["tflops_per_sec"] == pytest.approx(
+            out["samples_per_sec"] * out["flops_per_sample"] / 1e12
+        )
+        assert out["tflops_per_sec_per_device"] == pytest.approx(out["tflops_per_sec"])
+        assert out["mfu"] is None
         assert set(out["peak_memory_mb_per_rank"]) == {"0"}
         assert out["checkpoints"] == {"best": None, "last": None}
     assert runs["baseline"]["precision_used"] == "32-true"
@@ -91,8 +98,12 @@ def test_report_compares_the_recipes(recipe_sweep: Path) -> None:
             out["peak_memory_mb"] / base["peak_memory_mb"] - 1
         )
         assert row["precision_used"] == out["precision_used"]
+        assert float(row["tflops_per_sec_per_device"]) == pytest.approx(
+            out["tflops_per_sec_per_device"]
+        )
+        assert row["mfu"] == ""
         assert f"| {row['setting']} |" in proc.stdout or f"**{row['setting']}**" in proc.stdout
-    assert "| setting | samples/s |" in proc.stdout
+    assert "| setting | samples/s | per device | TFLOP/s per device | MFU |" in proc.stdout
     assert (recipe_sweep / "report.md").read_text().count("\n| ") == len(RECIPES) + 1
     assert (recipe_sweep / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

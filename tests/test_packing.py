@@ -199,3 +199,24 @@ def test_packing_benchmark_prints_its_speed_up() -> None:
     lines = proc.stdout.strip().splitlines()
     assert lines[-2].startswith("median sweep: sequential "), proc.stdout
     assert re.fullmatch(r"packing speed-up: \d+\.\d\d", lines[-1]), proc.stdout
+
+
+@needs_two_cores
+@pytest.mark.slow
+def test_jobs_are_spawned_where_the_sweep_process_runs_a_thread(tmp_path: Path) -> None:
+    """A thread in the sweep's process (a tracker's uploader) would be lost in a forked
+    job: the jobs start as fresh interpreters, and the sweep ends as it would otherwise."""
+    train(
+        "-m",
+        "launcher=packed",
+        *TABULAR,
+        "seed=1,2",
+        LANE_PROBE,
+        "+hydra.callbacks.thread._target_=lane_probe.ThreadInSweep",
+        cwd=tmp_path,
+    )
+    jobs = job_folders(tmp_path)
+    assert [results(j)["config"]["seed"] for j in jobs] == [1, 2]
+    for job in jobs:
+        (record,) = lane_records(job)
+        assert "multiprocessing.spawn" in record["cmdline"]

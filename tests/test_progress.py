@@ -13,10 +13,11 @@ from conftest import compose_train, train
 from ddp_template.checks import check_config
 from ddp_template.errors import ConfigError
 
-# epoch 1/1  step 2/6 (33%)  loss 2.402  18 samples/s  left: epoch 0:14, run 0:36
+# epoch 1/1  step 2/6 (33%)  loss 2.402  18 samples/s  0.00371 TFLOP/s per device
+#   left: epoch 0:14, run 0:36   (one line; on the CPU no MFU)
 LINE = re.compile(
     r"^(?:\[rank0\] )?epoch (\d+)(?:/(\d+))?  step (\d+)/(\d+) \(\d+%\)  loss [\d.e+-]+  "
-    r"[\d,]+ samples/s  left: epoch \d+:\d\d, run \d+:\d\d$"
+    r"[\d,]+ samples/s  [\d.e+-]+ TFLOP/s per device  left: epoch \d+:\d\d, run \d+:\d\d$"
 )
 RUN = [
     "trainer.max_epochs=1",
@@ -36,7 +37,7 @@ def progress_lines(text: str) -> list[re.Match]:
 def test_a_log_file_shows_progress_lines_during_an_epoch(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = train(
-        *RUN,
+        *[o for o in RUN if not o.startswith("trainer.enable_model_summary")],
         "callbacks.progress.every_n_steps=2",
         "callbacks.progress.every_s=null",
         "logger=csv",
@@ -47,6 +48,11 @@ def test_a_log_file_shows_progress_lines_during_an_epoch(tmp_path: Path) -> None
     lines = proc.stdout.splitlines()
     steps = [int(m.group(3)) for m in progress_lines(proc.stdout)]
     assert steps == [2, 4, 6], proc.stdout[-3000:]
+    # The CPU has no peak in the table: FLOP/s without an MFU.
+    assert "MFU" not in proc.stdout
+    # The model summary shows a training batch's FLOPs (Lightning's own printed 0).
+    (flops,) = re.findall(r"^([\d.]+) ([KMBT]?) *Total Flops$", proc.stdout, re.MULTILINE)
+    assert float(flops[0]) > 0 and flops[1] in "KMBT"
     assert all(m.group(4) == "6" for m in progress_lines(proc.stdout))
     # The lines come during the epoch, before its summary line.
     summary = next(i for i, line in enumerate(lines) if line.startswith("epoch 1/1  train/"))

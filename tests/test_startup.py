@@ -9,13 +9,10 @@ import re
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import pytest
-from conftest import FAST, ROOT, TESTS, train
-
-from ddp_template.launch import worker_start_method
+from conftest import FAST, ROOT, TESTS, subprocess_env, train
 
 LANE_PROBE = "+callbacks.lane_probe._target_=lane_probe.LaneProbe"
 
@@ -42,17 +39,22 @@ def test_forked_workers_start_as_fresh_processes_would(tmp_path: Path) -> None:
 
 
 def test_fork_is_refused_while_another_thread_runs() -> None:
-    """A thread of this process would be missing from a forked copy, its locks held."""
-    assert worker_start_method() == "fork"
-    release = threading.Event()
-    thread = threading.Thread(target=release.wait)
-    thread.start()
-    try:
-        assert worker_start_method() == "spawn"
-    finally:
-        release.set()
-        thread.join()
-    assert worker_start_method() == "fork"
+    """A thread of the launching process would be missing from a forked copy, its locks
+    held: Python's, native ones (a TCPStore's server) and GNU OpenMP's team alike. Asked
+    in a fresh process, which holds none of them to begin with."""
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "thread_probe.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=subprocess_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["alone"] == "fork"
+    assert found["python_thread"] == "spawn" and found["python_thread_ended"] == "fork"
+    assert found["native_thread"] == "spawn" and found["native_thread_ended"] == "fork"
+    assert found["openmp_team"] == "spawn"
 
 
 FORK_AFTER_PARALLEL_WORK = textwrap.dedent(

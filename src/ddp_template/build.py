@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from datetime import timedelta
 from typing import Any
 
@@ -17,9 +16,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddp_template.attempts import AttemptLog
 from ddp_template.callbacks.loader_position import LoaderPosition
+from ddp_template.callbacks.model_summary import TrainingFlopsSummary
+from ddp_template.callbacks.progress import on_terminal
 from ddp_template.callbacks.resume_agreement import ResumeAgreement
 from ddp_template.callbacks.shared_disk import SharedDiskCheck
 from ddp_template.checkpoint_io import SafeCheckpointIO
+from ddp_template.environments import cluster_environment
 from ddp_template.errors import ConfigError
 from ddp_template.node_check import NodeCheckedDDPStrategy, flat_config
 from ddp_template.trackers import log_config
@@ -119,10 +121,16 @@ def build_trainer(cfg: DictConfig, loggers: list[Logger] | None = None) -> L.Tra
     # it, Lightning's own bar only on a terminal.
     has_progress = any(isinstance(c, ProgressBar) for c in callbacks)
     if trainer_args.get("enable_progress_bar") is None:
-        trainer_args["enable_progress_bar"] = has_progress or sys.stdout.isatty()
+        trainer_args["enable_progress_bar"] = has_progress or on_terminal()
     if not trainer_args["enable_progress_bar"]:
         callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
     trainer_args["plugins"] = _with_safe_checkpoint_io(trainer_args.get("plugins"))
+    if trainer_args.get("enable_model_summary", True):
+        # Lightning's own would print `Total FLOPs: 0` (callbacks/model_summary.py).
+        callbacks.append(TrainingFlopsSummary())
+    environment = cluster_environment()
+    if environment is not None:
+        trainer_args["plugins"] = [*trainer_args["plugins"], environment]
     return L.Trainer(
         accelerator=cfg.accelerator,
         devices=cfg.devices,

@@ -9,6 +9,7 @@ Each refusal is a `ConfigError` with the key, the bad value, what is allowed and
 
 from __future__ import annotations
 
+import os
 import zipfile
 from pathlib import Path
 
@@ -19,12 +20,13 @@ from ddp_template.build_check import check_by_building
 from ddp_template.callbacks.progress import check_progress
 from ddp_template.checkpoint_check import check_checkpoint
 from ddp_template.compiling import check_compile
+from ddp_template.cuda_devices import VISIBLE, compute_capabilities, lists_mig, visible_devices
 from ddp_template.errors import ConfigError
 from ddp_template.launch import processes_started_externally
 from ddp_template.network import check_rendezvous_host
 from ddp_template.schema import TRAINER_ARGS_ELSEWHERE, check_types_and_ranges
 from ddp_template.trackers import check_trackers
-from ddp_template.world import check_restarts, take_launched_world
+from ddp_template.world import check_restarts, started_by, take_launched_world
 
 __all__ = ["TRAINER_ARGS_ELSEWHERE", "check_checkpoint_file", "check_config"]
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
@@ -32,9 +34,9 @@ ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 
 def check_config(cfg: DictConfig) -> None:
     with open_dict(cfg):
-        cfg.accelerator = _resolve_accelerator(cfg.accelerator)
+        cfg.accelerator = resolve_accelerator(cfg.accelerator)
         cfg.devices, cfg.num_nodes = take_launched_world(cfg.devices, cfg.num_nodes)
-        cfg.devices = _resolve_devices(cfg.devices, cfg.accelerator)
+        cfg.devices = resolve_devices(cfg.devices, cfg.accelerator)
     check_types_and_ranges(cfg)
     check_restarts(cfg.max_restarts, cfg.strategy.name, cfg.devices)
     _check_launch(cfg)
@@ -51,30 +53,86 @@ def check_config(cfg: DictConfig) -> None:
     check_checkpoint(cfg)
 
 
-def _resolve_accelerator(value: object) -> str:
+def resolve_accelerator(value: object) -> str:
+    """`auto`, `gpu` -> the accelerator the workers use; a GPU asked where none is visible
+    is refused, naming the launcher that started this process without one."""
     if value not in ACCELERATORS:
         raise ConfigError(
             "accelerator", value, f"one of {', '.join(ACCELERATORS)}", "e.g. accelerator=cpu"
         )
-    # Lightning makes these counts NVML-based: no CUDA context in this process, which
-    # could not be used by workers forked from it.
+    # Counted through NVML where it can (no CUDA context); see cuda_devices.
     if value == "auto":
         if torch.cuda.is_available():
             return "cuda"
         return "mps" if torch.backends.mps.is_available() else "cpu"
     if value in ("gpu", "cuda") and not torch.cuda.is_available():
+        launcher = started_by()
+        if launcher is None:
+            raise ConfigError(
+                "accelerator",
+                value,
+                "a GPU, and torch sees none on this machine",
+                "accelerator=cpu",
+            )
+        listed = os.environ.get(VISIBLE)
+        shown = "unset" if listed is None else repr(listed)
         raise ConfigError(
-            "accelerator", value, "a GPU, and torch sees none on this machine", "accelerator=cpu"
+            "accelerator",
+            value,
+            f"a GPU for this process, and {launcher} started it without one "
+            f"(CUDA_VISIBLE_DEVICES {shown}, torch sees no GPU)",
+            f"{GPU_REQUEST.get(launcher, 'ask the launcher for one GPU per process')}; or "
+            "accelerator=cpu",
         )
     return "cuda" if value == "gpu" else str(value)
 
 
-def _resolve_devices(value: object, accelerator: str) -> int:
+# How each launcher is asked for one GPU per process.
+GPU_REQUEST = {
+    "torchrun": "run torchrun on a machine with GPUs, with CUDA_VISIBLE_DEVICES listing them",
+    "srun": "ask SLURM for GPUs: sbatch/srun --gpus-per-node=<devices> (or --gres=gpu:<devices>)",
+    "kubeflow": "give each PyTorchJob replica a GPU: resources.limits nvidia.com/gpu: 1",
+    "mpirun": "run mpirun on GPU nodes, with CUDA_VISIBLE_DEVICES listing the GPUs (-x CUDA_VISIBLE_DEVICES)",
+    "jsrun": "ask jsrun for GPUs: jsrun --gpu_per_rs=1 (or bsub -gpu num=<devices>)",
+}
+
+
+def resolve_devices(value: object, accelerator: str) -> int:
+    """`auto` -> every visible GPU (1 on other accelerators); a number the GPUs cannot hold
+    is refused: more than CUDA_VISIBLE_DEVICES lists, or than are visible, or several on a
+    MIG instance."""
     if value == "auto":
         return torch.cuda.device_count() if accelerator == "cuda" else 1
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError("devices", value, "a whole number >= 1 or 'auto'", "e.g. devices=1")
-    if accelerator == "cuda" and value > torch.cuda.device_count():
+    if accelerator != "cuda":
+        return value
+    listed = visible_devices()
+    if value > 1 and lists_mig():
+        raise ConfigError(
+            "devices",
+            value,
+            f"1 on a MIG instance: CUDA_VISIBLE_DEVICES={os.environ[VISIBLE]} names MIG "
+            "instances, and a CUDA process sees only the first of them (NVIDIA's MIG user "
+            "guide), so one process cannot train on several",
+            "devices=1, or whole GPUs (CUDA_VISIBLE_DEVICES=0,1) for data-parallel training",
+        )
+    if listed is not None and value > len(listed):
+        launcher = started_by()
+        fix = (
+            f"devices={len(listed)} or fewer, or list more GPUs in CUDA_VISIBLE_DEVICES"
+            if launcher is None
+            # Each rank takes the GPU of its local rank among those it sees.
+            else f"let {launcher} show every process all {value} GPUs of its node (srun: "
+            "--gpus-per-node rather than --gpus-per-task=1)"
+        )
+        raise ConfigError(
+            "devices",
+            value,
+            f"at most the {len(listed)} GPUs CUDA_VISIBLE_DEVICES={os.environ[VISIBLE]!r} lists",
+            fix,
+        )
+    if value > torch.cuda.device_count():
         raise ConfigError(
             "devices",
             value,
@@ -115,13 +173,12 @@ def _check_launch(cfg: DictConfig) -> None:
 def _check_devices_support(cfg: DictConfig) -> None:
     """What only CUDA devices run (each would fail in every worker, or only on GPUs)."""
     if cfg.accelerator == "cuda":
-        if cfg.strategy.get("comm_hook") == "bf16" and not torch.cuda.is_bf16_supported():
-            raise ConfigError(
-                "strategy.comm_hook",
-                "bf16",
-                "bf16 compression needs a GPU with bfloat16 support (Ampere or newer)",
-                "use strategy.comm_hook=fp16",
-            )
+        if cfg.strategy.get("comm_hook") == "bf16":
+            # Asked of NVML: torch would create a CUDA context here. Where NVML cannot
+            # tell, each worker checks its own GPU (comm_hooks.check_bf16_support).
+            capabilities = compute_capabilities()
+            if capabilities is not None and capabilities and min(capabilities)[0] < 8:
+                raise bf16_refused(min(capabilities))
         return
     refused = [
         ("strategy.process_group_backend", "nccl", "use gloo (or null) on CPUs"),
@@ -132,6 +189,16 @@ def _check_devices_support(cfg: DictConfig) -> None:
     for key, value, fix in refused:
         if key == "debug" or OmegaConf.select(cfg, key) == value:
             raise ConfigError(key, value, f"only on CUDA, and accelerator={cfg.accelerator}", fix)
+
+
+def bf16_refused(capability: tuple[int, int]) -> ConfigError:
+    return ConfigError(
+        "strategy.comm_hook",
+        "bf16",
+        "bf16 compression needs a GPU with bfloat16 support (compute capability 8.0, Ampere, "
+        f"or newer); this one has {capability[0]}.{capability[1]}",
+        "use strategy.comm_hook=fp16",
+    )
 
 
 def _check_distributed_debug(cfg: DictConfig) -> None:

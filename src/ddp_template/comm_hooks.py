@@ -113,6 +113,8 @@ class CommHookDDPStrategy(DDPStrategy):
         super()._register_ddp_hooks()
         if self.comm_hook == "none":
             return
+        if self.comm_hook == "bf16" and self.root_device.type == "cuda":
+            check_bf16_support(self.root_device)
         assert isinstance(self.model, DistributedDataParallel)
         state = hook_state(self.comm_hook, self.powersgd_rank, self.powersgd_start_iter)
         hook = CountingHook(
@@ -122,6 +124,16 @@ class CommHookDDPStrategy(DDPStrategy):
         if isinstance(state, powerSGD_hook.PowerSGDState):
             hook.by_parameter = PowerSGDByParameter(self.model.module)
         self.model.register_comm_hook(state, hook)
+
+
+def check_bf16_support(device: torch.device) -> None:
+    """In the worker, on its own GPU (the launching process asks NVML where it can)."""
+    from ddp_template.checks import bf16_refused
+    from ddp_template.errors import TrainingStopped
+
+    capability = torch.cuda.get_device_capability(device)
+    if capability[0] < 8:
+        raise TrainingStopped(str(bf16_refused(capability)))
 
 
 def hook_state_dict(model: torch.nn.Module | None) -> dict[str, Any] | None:

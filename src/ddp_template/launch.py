@@ -9,6 +9,15 @@ created outside (torchrun), the job trains in the process it is in.
 Workers are forked from the launching process where that is safe (`worker_start_method`): it
 has already imported torch and Lightning to check the config, so workers start in a fraction
 of a second instead of importing them again. Otherwise they are spawned (fresh interpreters).
+
+The agent forks the workers after its rendezvous, while a thread of its own is alive: the
+rendezvous store's server (a C++ thread, `pt_tcpstore_uv` in /proc; the only thread besides
+the main one and OpenBLAS's seen in the launching process while its workers ran). That fork
+is kept on purpose: the worker never uses what those threads own (it connects to a store of its own,
+hosted by rank 0: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, and the copied sockets and locks are
+never touched), and glibc's allocator and CPython reset their own locks in the child. What
+`worker_start_method` refuses to copy is a thread of the launching process from before the
+agent (a tracker's uploader, a prefetcher, a native pool), whose state the worker would use.
 """
 
 from __future__ import annotations
@@ -19,7 +28,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -125,7 +133,7 @@ def launch(
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # With several nodes on one shared folder, each node's agent keeps its own logs.
     log_dir = job_dir / "logs" if nodes is None else job_dir / "logs" / f"node_{nodes.rank}"
-    start_method = worker_start_method()
+    start_method = worker_start_method(on_cuda=config.get("accelerator") == "cuda")
     one_node = {
         "min_nodes": 1,
         "max_nodes": 1,
@@ -196,19 +204,22 @@ def single_threaded() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def worker_start_method() -> str:
+def worker_start_method(on_cuda: bool) -> str:
     """`fork` where a copy of this process makes a sound worker, else `spawn`.
 
-    Not where CUDA was initialised here: CUDA fails in forked children (Lightning counts
-    GPUs through NVML so as not to). Not where another Python thread runs (a tracker's
-    uploader, a prefetcher): the copy would hold its locks and state without the thread.
+    Not beside another thread of this process, native ones included (a tracker's uploader,
+    a prefetcher, a C++ pool): the copy would hold its locks and state without the thread.
     Native pools that handle fork themselves (OpenBLAS) do not count; torch's OpenMP pool
-    is kept from starting by `single_threaded`.
+    is kept from starting by `single_threaded`. For workers on CUDA, not once
+    a forked child could no longer use CUDA: CUDA initialised here, or the devices counted
+    through the CUDA runtime (MIG, no NVML; see `cuda_devices`). Workers on the CPU never
+    touch CUDA, so such a fork serves them.
     """
-    if sys.platform != "linux" or threading.active_count() > 1:
+    from ddp_template.cuda_devices import forked_child_can_use_cuda, threads_a_fork_would_lose
+
+    if sys.platform != "linux" or threads_a_fork_would_lose() > 0:
         return "spawn"
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
+    if on_cuda and not forked_child_can_use_cuda():
         return "spawn"
     return "fork"
 

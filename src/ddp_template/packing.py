@@ -10,12 +10,16 @@ job that fails, or whose process dies, fails alone; the sweep reports and exits 
 sequential one does.
 
 The sweep's process imports torch and Lightning once, before the first job: jobs forked from
-it, and the workers they fork, do not import them again.
+it, and the workers they fork, do not import them again. Jobs follow the workers' rule
+(`launch.worker_start_method`): they are spawned instead where a fork would be unsound (a
+thread in the sweep's process; GPU jobs once it counted the GPUs through the CUDA runtime).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import inspect
 import logging
 import multiprocessing
 import os
@@ -27,6 +31,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+from hydra.core.singleton import Singleton
 from hydra.core.utils import (
     JobReturn,
     JobStatus,
@@ -36,7 +41,8 @@ from hydra.core.utils import (
     setup_globals,
 )
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.basecontainer import BaseContainer
 
 from ddp_template.errors import ConfigError, UserFacingError
 
@@ -133,7 +139,8 @@ def _split(items: list[int], parts: int) -> list[list[int]]:
 
 def machine_gpus() -> list[str]:
     """GPUs this process may use, by the names CUDA_VISIBLE_DEVICES gives them. Counted
-    through NVML (torch does not initialise CUDA for it), so forked jobs can use CUDA."""
+    as torch counts them: through NVML where it can (forked jobs can then use CUDA), else
+    through the CUDA runtime (jobs on GPUs are then spawned: `job_start_method`)."""
     import torch
 
     count = torch.cuda.device_count()
@@ -237,7 +244,17 @@ def _run_in_lanes(
     hydra_context: HydraContext,
     task_function: TaskFunction,
 ) -> list[JobReturn]:
-    context = multiprocessing.get_context("fork")
+    on_gpus = any(lane.gpus is not None for lane in lanes)
+    start_method = job_start_method(on_gpus)
+    context = (
+        multiprocessing.get_context("fork")
+        if start_method == "fork"
+        else multiprocessing.get_context("spawn")
+    )
+    # A spawned job starts in a fresh interpreter: it gets Hydra's global state and the
+    # task function by name (Hydra hands the launcher the undecorated function).
+    task = task_function if start_method == "fork" else _task_reference(task_function)
+    hydra_state = None if start_method == "fork" else _hydra_instances()
     waiting = list(enumerate(sweep_configs))
     free = list(range(len(lanes)))
     running: list[_RunningJob] = []
@@ -252,7 +269,7 @@ def _run_in_lanes(
                 receiver, sender = context.Pipe(duplex=False)
                 process = context.Process(
                     target=_job_process,
-                    args=(lanes[lane], sweep_config, hydra_context, task_function, sender),
+                    args=(lanes[lane], sweep_config, hydra_context, task, hydra_state, sender),
                     name=f"job-{sweep_config.hydra.job.num}",
                 )
                 process.start()
@@ -279,18 +296,47 @@ def _run_in_lanes(
     return [returns[position] for position in range(len(sweep_configs))]
 
 
+def job_start_method(on_gpus: bool) -> str:
+    """How the jobs' processes start: the rule of the workers (`worker_start_method`)."""
+    from ddp_template.launch import worker_start_method
+
+    return worker_start_method(on_cuda=on_gpus)
+
+
+def _hydra_instances() -> dict[str, Any]:
+    """Hydra's global state for a spawned job, less the resolvers: functions that cannot
+    be pickled, registered again in the job by importing the task's module (Hydra's own
+    by `setup_globals`)."""
+    return {"instances": Singleton.get_state()["instances"]}
+
+
+def _task_reference(task_function: TaskFunction) -> tuple[str, str]:
+    return task_function.__module__, task_function.__qualname__
+
+
+def _task_by_reference(reference: tuple[str, str]) -> TaskFunction:
+    module, name = reference
+    return inspect.unwrap(getattr(importlib.import_module(module), name))
+
+
 def _job_process(
     lane: Lane,
     sweep_config: DictConfig,
     hydra_context: HydraContext,
-    task_function: TaskFunction,
+    task: TaskFunction | tuple[str, str],
+    hydra_state: dict[Any, Any] | None,
     sender: Connection,
 ) -> None:
     """One job, as Hydra's sequential launcher runs it, confined to its lane."""
     from ddp_template.launch import own_exit_functions
 
+    task_function = _task_by_reference(task) if isinstance(task, tuple) else task
+    if hydra_state is not None:
+        setup_globals()
+        Singleton.set_state({**hydra_state, "omegaconf_resolvers": BaseContainer._resolvers})
     lane.enter()
-    with own_exit_functions():
+    # A spawned job's interpreter runs its exit functions itself, at its end.
+    with own_exit_functions() if hydra_state is None else contextlib.nullcontext():
         result = run_job(
             hydra_context=hydra_context,
             task_function=task_function,
@@ -298,6 +344,13 @@ def _job_process(
             job_dir_key="hydra.sweep.dir",
             job_subdir_key="hydra.sweep.subdir",
         )
+    if hydra_state is not None:
+        # Hydra's plugin scan ran again in this interpreter: the config's structured types
+        # are new classes the sweep's process could not unpickle.
+        for field in ("cfg", "hydra_cfg"):
+            value = getattr(result, field, None)
+            if isinstance(value, DictConfig):
+                setattr(result, field, OmegaConf.create(OmegaConf.to_container(value)))
     sender.send(_portable(result))
     sender.close()
 

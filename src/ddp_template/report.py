@@ -32,6 +32,8 @@ CSV_COLUMNS = (
     "setting",
     "samples_per_sec",
     "samples_per_sec_per_device",
+    "tflops_per_sec_per_device",
+    "mfu",
     "step_time_median_s",
     "step_time_p90_s",
     "data_wait_fraction",
@@ -85,6 +87,8 @@ def load_rows(
 _MEASURED = (
     "samples_per_sec",
     "samples_per_sec_per_device",
+    "tflops_per_sec_per_device",
+    "mfu",
     "step_time_median_s",
     "step_time_p90_s",
     "data_wait_fraction",
@@ -213,6 +217,8 @@ def _row(job: Path, result: dict[str, Any], name: str, overrides: list[str]) -> 
         "finished_at": result.get("finished_at"),
         "samples_per_sec": result.get("samples_per_sec"),
         "samples_per_sec_per_device": result.get("samples_per_sec_per_device"),
+        "tflops_per_sec_per_device": result.get("tflops_per_sec_per_device"),
+        "mfu": result.get("mfu"),
         "step_time_median_s": result.get("step_time_median_s"),
         "step_time_p90_s": result.get("step_time_p90_s"),
         "data_wait_fraction": result.get("data_wait_fraction"),
@@ -281,12 +287,12 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     memory = memory_label(rows)
     monitor = monitor_label(rows)
     header = (
-        "| setting | samples/s | per device | step median (ms) | step p90 (ms) "
-        f"| loader wait | memory (MiB, {memory}) | speed-up | memory change |"
+        "| setting | samples/s | per device | TFLOP/s per device | MFU | step median (ms) "
+        f"| step p90 (ms) | loader wait | memory (MiB, {memory}) | speed-up | memory change |"
         + (f" {monitor} |" if monitor else "")
         + " precision |"
     )
-    lines = [header, "|" + "---|" * (11 if monitor else 10)]
+    lines = [header, "|" + "---|" * (13 if monitor else 12)]
     for row in rows:
         task_value = [_number(row["monitor_best"], ".4g")] if monitor else []
         name = f"**{row['setting']}**" if row["baseline"] else row["setting"]
@@ -297,6 +303,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                     name,
                     _number(row["samples_per_sec"], ",.1f"),
                     _number(row["samples_per_sec_per_device"], ",.1f"),
+                    _number(row["tflops_per_sec_per_device"], ".3g"),
+                    _number(row["mfu"], ".1%"),
                     _number(_ms(row["step_time_median_s"]), ",.0f"),
                     _number(_ms(row["step_time_p90_s"]), ",.0f"),
                     _number(row["data_wait_fraction"], ".1%"),

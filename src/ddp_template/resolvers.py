@@ -1,7 +1,7 @@
 """OmegaConf resolvers used by `conf/`.
 
-When torchrun or srun start the processes, every rank runs `train.py` and composes the
-config itself. These resolvers make all ranks of one job agree on one folder, and keep the
+When an external launcher (torchrun, srun, Kubeflow, mpirun, jsrun) starts the processes,
+every rank runs `train.py` and composes the config itself. These resolvers make all ranks of one job agree on one folder, and keep the
 non-zero ranks from writing Hydra's files into it.
 """
 
@@ -14,15 +14,26 @@ from omegaconf import OmegaConf
 
 from ddp_template import metrics
 from ddp_template.topology import cores_per_process
-from ddp_template.world import started_by
+from ddp_template.world import OMPI_JOB_ID, started_by
 
 STAMP_FORMAT = "%Y-%m-%d/%H-%M-%S"
 
 
+# Where each launcher writes a process's global rank.
+RANK_VARIABLES = {
+    "srun": "SLURM_PROCID",
+    "mpirun": "OMPI_COMM_WORLD_RANK",
+    "jsrun": "JSM_NAMESPACE_RANK",
+    "mpiexec": "PMI_RANK",
+}
+
+
 def launch_rank() -> int:
-    """Global rank given by an external launcher (torchrun: RANK, srun: SLURM_PROCID); 0 else."""
-    # srun tasks that start their own workers (an interactive job name) are each rank 0.
-    for name in ("RANK", "SLURM_PROCID") if started_by() == "srun" else ("RANK",):
+    """Global rank given by an external launcher (torchrun and Kubeflow: RANK, srun:
+    SLURM_PROCID, mpirun: OMPI_COMM_WORLD_RANK, jsrun: JSM_NAMESPACE_RANK); 0 else."""
+    launcher = started_by()
+    names = ("RANK", RANK_VARIABLES[launcher]) if launcher in RANK_VARIABLES else ("RANK",)
+    for name in names:
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name])
     return 0
@@ -36,6 +47,9 @@ def job_stamp(job_id: object = None, master_addr: object = None, num_nodes: obje
       starts and by their restarts (so a restarted attempt finds the first one's checkpoints);
       with several nodes, the rendezvous id (`--rdzv-id`) when one is given;
     - srun: the SLURM job and step ids;
+    - Kubeflow: rank 0's address and port (MASTER_ADDR: the PyTorchJob's master replica),
+      so a PyTorchJob run again under the same name continues in its folder;
+    - mpirun: the Open MPI job id; jsrun: the LSF job id;
     - this project's own agent on several nodes (`network.master_addr`): `nodes/<job_id>`,
       or the minute the node started when no `network.job_id` is given.
     """
@@ -48,11 +62,16 @@ def job_stamp(job_id: object = None, master_addr: object = None, num_nodes: obje
         if several_nodes and run_id != "none":
             return f"torchrun/{run_id}"
         return _process_stamp(os.getppid())
-    # The same test as the launch: tasks that each start their own workers (srun with an
-    # interactive job name) are separate jobs, each with its own folder.
-    if started_by() == "srun" and "SLURM_JOB_ID" in os.environ:
+    launcher = started_by()
+    if launcher == "srun" and "SLURM_JOB_ID" in os.environ:
         step = os.environ.get("SLURM_STEP_ID", "0")
         return f"slurm/{os.environ['SLURM_JOB_ID']}.{step}"
+    if launcher == "kubeflow":
+        return f"kubeflow/{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}"
+    if launcher == "mpirun" and OMPI_JOB_ID in os.environ:
+        return f"mpirun/{os.environ[OMPI_JOB_ID]}"
+    if launcher == "jsrun" and "LSB_JOBID" in os.environ:
+        return f"lsf/{os.environ['LSB_JOBID']}"
     return _process_stamp(os.getpid())
 
 

@@ -55,6 +55,12 @@ def collect_results(
         **task_metrics.of_stages(test_metrics, ("test",)),
         "samples_per_sec": metrics.get("perf/samples_per_sec"),
         "samples_per_sec_per_device": metrics.get("perf/samples_per_sec_per_device"),
+        # Training FLOPs (forward and backward) per sample, counted once; achieved rate;
+        # MFU where the device's peak is known (null on CPUs and unlisted GPUs).
+        "flops_per_sample": metrics.get("perf/flops_per_sample"),
+        "tflops_per_sec": metrics.get("perf/tflops_per_sec"),
+        "tflops_per_sec_per_device": metrics.get("perf/tflops_per_sec_per_device"),
+        "mfu": metrics.get("perf/mfu"),
         "peak_memory_mb": max(peaks.values()) if peaks else None,
         "peak_memory_mb_per_rank": peaks,
         # CUDA only: what the caching allocator held, cached blocks included.
@@ -222,7 +228,7 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str]]:
             ),
         ),
         ("precision", _precision_text(results)),
-        ("throughput", f"{rate:,.0f} samples/s" if rate else "n/a (too few batches)"),
+        ("throughput", _throughput_text(results) if rate else "n/a (too few batches)"),
         ("peak memory", _memory_text(results)),
         (
             f"best {monitor}",
@@ -232,6 +238,22 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str]]:
         (test_metric, _value(results.get(test_metric))),
         ("output folder", str(results["output_dir"])),
     ]
+
+
+def _throughput_text(results: dict[str, Any]) -> str:
+    """samples/s, then the achieved TFLOP/s per device and MFU where they are known."""
+    parts = [f"{results['samples_per_sec']:,.0f} samples/s"]
+    per_device = results.get("tflops_per_sec_per_device")
+    if per_device is not None:
+        parts.append(f"{tflops_text(per_device)} TFLOP/s per device")
+    if results.get("mfu") is not None:
+        parts.append(f"MFU {results['mfu']:.1%}")
+    return ", ".join(parts)
+
+
+def tflops_text(tflops: float) -> str:
+    """Three significant digits: CPU runs reach thousandths of a TFLOP/s, GPUs hundreds."""
+    return f"{tflops:.3g}"
 
 
 def _precision_text(results: dict[str, Any]) -> str:

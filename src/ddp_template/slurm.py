@@ -29,8 +29,10 @@ MAX_CPUS_PER_TASK = 8
 SWEEP_WIDE_KEYS = ("devices", "num_nodes", "accelerator")
 
 # Lightning warns on every run of a machine where srun is installed that the run was not
-# started with srun; here a plain run starts its own workers on purpose, and SLURM runs go
-# through launcher=slurm (or srun), which Lightning detects.
+# started with srun (also for srun's tasks inside an interactive allocation, which it does
+# not take for SLURM's); here a plain run starts its own workers on purpose, SLURM runs go
+# through launcher=slurm (or srun), and srun's tasks are ranks of one job in an interactive
+# allocation too (world.started_by, environments.cluster_environment).
 warnings.filterwarnings("ignore", message=".*The `srun` command is available on your system")
 
 

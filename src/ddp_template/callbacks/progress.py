@@ -15,16 +15,28 @@ from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
 from lightning.pytorch.utilities.data import extract_batch_size
 from omegaconf import DictConfig
 
+from ddp_template.callbacks.speed import SpeedMonitor
 from ddp_template.errors import ConfigError
+from ddp_template.results import tflops_text
 
 
 def progress_reporter(
     every_n_steps: int | None = None, every_s: float | None = 30.0
 ) -> ProgressBar:
     """The bar when rank 0's stdout is a terminal, else `ProgressLines`."""
-    if sys.stdout.isatty():
+    if on_terminal():
         return RichProgressBar()
     return ProgressLines(every_n_steps=every_n_steps, every_s=every_s)
+
+
+def on_terminal() -> bool:
+    """Whether this rank draws a live bar. The same answer on every rank: the bar reduces
+    metrics over ranks as it draws, so ranks that differ would wait in different
+    collectives. Ranks started by mpirun, srun, jsrun or a PyTorchJob each get their own
+    kind of stream (mpirun gave rank 0 a terminal and not the others), so they print lines."""
+    from ddp_template.world import started_by
+
+    return sys.stdout.isatty() and started_by() in (None, "torchrun")
 
 
 def check_progress(cfg: DictConfig) -> None:
@@ -61,11 +73,13 @@ class ProgressLines(ProgressBar):
     """One line every `every_n_steps` training steps or every `every_s` seconds, whichever
     comes first (either may be null), e.g.
 
-        epoch 2/10  step 120/469 (26%)  loss 0.4312  1,234 samples/s  left: epoch 0:42, run 7:31
+        epoch 2/10  step 120/469 (26%)  loss 0.4312  1,234 samples/s  41.2 TFLOP/s per device
+        MFU 13.2%  left: epoch 0:42, run 7:31   (one line)
 
     The loss is rank 0's mean since the previous line; samples/s counts every rank's samples
-    (rank 0's batches x world size); the time left extrapolates the training steps since the
-    previous line (validation not included). The loss is summed on the device and read once
+    (rank 0's batches x world size); TFLOP/s and MFU follow from it and the FLOPs per sample
+    SpeedMonitor counted (MFU only on GPUs whose peak is known); the time left extrapolates
+    the training steps since the previous line (validation not included). The loss is summed on the device and read once
     per line, so the steps in between do not wait for the GPU.
     """
 
@@ -135,6 +149,15 @@ class ProgressLines(ProgressBar):
             parts.append(f"loss {float(self._loss_sum) / self._loss_count:.4g}")
         rate = self._window_samples * trainer.world_size / elapsed
         parts.append(f"{rate:,.0f} samples/s")
+        # Lightning declares Trainer.callbacks on a mixin its stubs do not show.
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        speed = next((c for c in callbacks if isinstance(c, SpeedMonitor)), None)
+        flops = speed.flops_metrics(rate, trainer.world_size) if speed is not None else {}
+        if "perf/tflops_per_sec_per_device" in flops:
+            per_device = tflops_text(flops["perf/tflops_per_sec_per_device"])
+            parts.append(f"{per_device} TFLOP/s per device")
+        if "perf/mfu" in flops:
+            parts.append(f"MFU {flops['perf/mfu']:.1%}")
         step_time = elapsed / self._window_steps
         left = _steps_left(trainer, done, total)
         if left is not None:

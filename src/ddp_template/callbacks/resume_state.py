@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
-import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 
@@ -54,8 +53,11 @@ class ResumeState(L.Callback):
         trainer = self._trainer
         if trainer is None:
             return {}
+        # CUDA's generators only where the run trains on CUDA: asking for them initialises
+        # CUDA, which a CPU rank forked on a GPU machine could not (cuda_devices).
+        on_cuda = trainer.strategy.root_device.type == "cuda"
         mine = {
-            "rng": _plain_rng_states(_collect_rng_states(include_cuda=torch.cuda.is_available())),
+            "rng": _plain_rng_states(_collect_rng_states(include_cuda=on_cuda)),
             "comm_hook": hook_state_dict(trainer.strategy.model),
         }
         gathered = _gather_to_rank_zero(mine, trainer)
@@ -81,7 +83,7 @@ class ResumeState(L.Callback):
                 )
             return
         mine = ranks[trainer.global_rank]
-        _set_rng_states(_rng_states(mine["rng"]))
+        _set_rng_states(_rng_states(mine["rng"], trainer.strategy.root_device.type == "cuda"))
         load_hook_state_dict(trainer.strategy.model, mine["comm_hook"])
 
 
@@ -98,8 +100,8 @@ def _plain_rng_states(states: dict[str, Any]) -> dict[str, Any]:
     return {**states, "numpy": plain_numpy_state(states["numpy"])}
 
 
-def _rng_states(plain: dict[str, Any]) -> dict[str, Any]:
+def _rng_states(plain: dict[str, Any], on_cuda: bool) -> dict[str, Any]:
     states = {**plain, "numpy": numpy_state(plain["numpy"])}
-    if not torch.cuda.is_available():
+    if not on_cuda:
         states.pop("torch.cuda", None)
     return states

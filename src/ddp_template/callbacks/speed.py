@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.data import extract_batch_size
 
+from ddp_template.flops import TERA, device_peak_tflops, training_flops_per_sample
 from ddp_template.memory import peak_memory_mb, peak_reserved_mb, reset_peak_memory
 
 
@@ -33,7 +34,13 @@ class SpeedMonitor(L.Callback):
     - `perf/warmup_time_s`: wall time of the untimed warm-up steps (the slowest rank's): with
       `compile=true` it holds the compilation, kept out of the step times;
     - `perf/peak_mem_mb/rank_<N>`: peak memory of every rank since the fit started.
-    - `perf/peak_reserved_mb/rank_<N>` (CUDA): the allocator's peak reservation of every rank.
+    - `perf/peak_reserved_mb/rank_<N>` (CUDA): the allocator's peak reservation of every rank;
+    - `perf/flops_per_sample`: FLOPs of a training step's forward and backward per sample,
+      counted once on the first batch (`flops.training_flops_per_sample`);
+    - `perf/tflops_per_sec` and `perf/tflops_per_sec_per_device`: achieved, from those
+      FLOPs and the samples/s above;
+    - `perf/mfu`: the achieved share of the device's dense peak for the run's precision
+      (`flops.PEAK_TFLOPS`), where the device is in the table (never on CPUs).
 
     Values are logged as metrics, so they also reach the main process under ddp_spawn.
     On CUDA, `sync_each_step` waits for the GPU at the end of each step: without it, the
@@ -43,6 +50,9 @@ class SpeedMonitor(L.Callback):
     def __init__(self, warmup_batches: int = 2, sync_each_step: bool = False) -> None:
         self.warmup_batches = warmup_batches
         self.sync_each_step = sync_each_step
+        self.flops_per_sample: float | None = None
+        self.peak_tflops: float | None = None
+        self._flops_counted = False
         self._reset()
 
     def _reset(self) -> None:
@@ -59,6 +69,9 @@ class SpeedMonitor(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._reset()
         reset_peak_memory(pl_module.device)
+        self.flops_per_sample = None
+        self._flops_counted = False
+        self.peak_tflops = device_peak_tflops(pl_module.device, str(trainer.precision), pl_module)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._previous_end = None
@@ -70,6 +83,11 @@ class SpeedMonitor(L.Callback):
         if self._first_start is None:
             self._first_start = self._batch_start
         self._batch_samples = extract_batch_size(batch)
+        if not self._flops_counted:
+            self._flops_counted = True
+            model = getattr(pl_module, "model", None)
+            if isinstance(model, torch.nn.Module):
+                self.flops_per_sample = training_flops_per_sample(model, batch)
 
     def on_train_batch_end(
         self,
@@ -130,11 +148,26 @@ class SpeedMonitor(L.Callback):
                     },
                 }
             )
+            metrics.update(self.flops_metrics(rate, len(ranks)))
         metrics["perf/measured_steps"] = float(len(self._periods))
         metrics["perf/warmup_time_s"] = max(row[7] for row in ranks)
         metrics["perf/warmup_steps"] = float(min(self.warmup_batches, self._steps_seen))
         # Already reduced over ranks: every rank logs the same value.
         pl_module.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=False)
+
+    def flops_metrics(self, samples_per_sec: float, devices: int) -> dict[str, float]:
+        """Achieved TFLOP/s (and MFU, where the peak is known) at a rate of samples/s."""
+        if not self.flops_per_sample:
+            return {}
+        achieved = samples_per_sec * self.flops_per_sample / TERA
+        metrics = {
+            "perf/flops_per_sample": self.flops_per_sample,
+            "perf/tflops_per_sec": achieved,
+            "perf/tflops_per_sec_per_device": achieved / devices,
+        }
+        if self.peak_tflops:
+            metrics["perf/mfu"] = achieved / devices / self.peak_tflops
+        return metrics
 
 
 def _synchronize(device: torch.device) -> None:
