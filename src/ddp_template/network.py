@@ -49,7 +49,7 @@ def interfaces() -> dict[str, list[str]]:
 def resolve(name: str) -> list[str]:
     """The IPv4 addresses a host name (or address) resolves to on this machine."""
     try:
-        return sorted({info[4][0] for info in socket.getaddrinfo(name, None, socket.AF_INET)})
+        return sorted({str(info[4][0]) for info in socket.getaddrinfo(name, None, socket.AF_INET)})
     except (socket.gaierror, UnicodeError):
         return []
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
+from torch.distributed.constants import default_pg_timeout
 
 from ddp_template.comm_hooks import CommHookDDPStrategy
 from ddp_template.errors import TrainingStopped
@@ -245,9 +246,8 @@ def _judge(ranks: list[dict[str, Any]], reach: dict[int, list[dict]]) -> str:
             )
             for sig, keys in list(grouped.items())[:8]
         )
-        differing = list(grouped.items())
-        more = f" (and {len(differing) - 8} more keys)" if len(differing) > 8 else ""
-        folders = any(key.startswith("paths.") for _, keys in differing for key in keys)
+        more = f" (and {len(grouped) - 8} more keys)" if len(grouped) > 8 else ""
+        folders = any(key.startswith("paths.") for keys in grouped.values() for key in keys)
         fix = (
             "start every node in the same directory of a shared file system with the same "
             "job id (torchrun --rdzv_id=<job>; without it each node names its own folder)"
@@ -334,7 +334,7 @@ class NodeCheckedDDPStrategy(CommHookDDPStrategy):
                 main_address=env.main_address,
                 main_port=env.main_port,
                 backend=self._get_process_group_backend(),
-                timeout=self._timeout,
+                timeout=self._timeout or default_pg_timeout,
                 device_id=self.root_device if self.root_device.type != "cpu" else None,
             )
         super().setup_distributed()

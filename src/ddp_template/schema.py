@@ -189,7 +189,7 @@ def _resolved(cfg: DictConfig) -> dict[str, Any]:
         values = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
         return cast("dict[str, Any]", values)
     except MissingMandatoryValue as err:
-        key = err.full_key
+        key = err.full_key or str(err.key)
         raise ConfigError(
             key,
             "???",
@@ -376,7 +376,7 @@ def _check_limit(key: str, value: Any, limit: Limit) -> None:
             allowed = f"from {as_override(low)} to {as_override(high)}{why}"
         example = low + 1 if limit.above else low
         raise ConfigError(key, value, allowed, f"e.g. {key}={as_override(example)}")
-    if high is not None and value > high:
+    if high is not None and float(value) > float(high):
         allowed = f"from {as_override(low)} to {as_override(high)}{why}"
         raise ConfigError(key, value, allowed, f"e.g. {key}={as_override(high)}")
 
