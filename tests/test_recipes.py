@@ -205,7 +205,7 @@ def test_speed_monitor_splits_loader_wait_from_the_step() -> None:
     """Steps of 20 ms preceded by 20 ms waits: half of the time is waiting for data."""
     monitor = SpeedMonitor(warmup_batches=2)
     module = _Recorder(device=torch.device("cpu"))
-    trainer = SimpleNamespace()
+    trainer = SimpleNamespace(precision="32-true")
     batch = (torch.zeros(8, 1), torch.zeros(8))
     monitor.on_fit_start(trainer, module)
     for epoch_steps in (6, 6):
