@@ -3,7 +3,6 @@ restarts. Every test runs real processes."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -101,40 +100,6 @@ def test_torchrun_trains_in_the_processes_it_started(tmp_path: Path) -> None:
     assert not (job / "logs").exists()  # no second launcher inside torchrun's workers
     assert len(list(tmp_path.glob("outputs/*/*"))) == 1
     assert (job / ".hydra" / "config.yaml").is_file() and "Run summary" in out
-
-
-@pytest.mark.slow
-def test_two_nodes_through_a_c10d_rendezvous(tmp_path: Path) -> None:
-    """Two agents on one disk in separate working folders: the nodes see one file system, so
-    the start-up check passes and node 1 reads rank 0's best.ckpt for the test."""
-    port = free_port()
-    agents = [
-        start(
-            [
-                TORCHRUN,
-                "--nnodes=2",
-                f"--node_rank={node}",
-                "--nproc_per_node=1",
-                "--rdzv_backend=c10d",
-                f"--rdzv_endpoint=127.0.0.1:{port}",
-                "--rdzv_id=two-nodes",
-                str(ROOT / "train.py"),
-                # devices and num_nodes are left to auto: taken from what torchrun started.
-                "strategy=ddp",
-                *FAST,
-            ],
-            cwd=tmp_path / f"node{node}",
-        )
-        for node in (0, 1)
-        if (tmp_path / f"node{node}").mkdir() is None
-    ]
-    outputs = [a.communicate(timeout=300) for a in agents]
-    assert [a.returncode for a in agents] == [0, 0], [o[1][-2000:] for o in outputs]
-    written = list(tmp_path.glob("node*/outputs/**/results.json"))
-    assert len(written) == 1 and written[0].is_relative_to(tmp_path / "node0")
-    out = json.loads(written[0].read_text())
-    assert out["world_size"] == 2 and out["num_nodes"] == 2
-    assert not list((tmp_path / "node1").glob("outputs/**/*.ckpt"))
 
 
 @pytest.mark.parametrize(("accelerator", "gpus"), [("gpu", 4), ("cpu", None)])

@@ -5,9 +5,6 @@ launcher's environment run in-process with the variables torchrun and srun set."
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -193,53 +190,4 @@ def test_max_restarts_where_nothing_restarts_is_refused(
     check_config(compose_train(*overrides, "max_restarts=0"))
 
 
-# --- nodes without a shared file system -------------------------------------------------
-
-
-def _private_mounts_work() -> str | None:
-    """Why two "nodes" with private disks cannot be made here, or None."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        return "needs root and unshare(1) for a private mount namespace per node"
-    probe = subprocess.run(
-        ["unshare", "--mount", "--propagation", "private", "mount", "-t", "tmpfs", "none", "/mnt"],
-        capture_output=True,
-        text=True,
-    )
-    if probe.returncode != 0:
-        return f"private mount namespaces are not allowed here: {probe.stderr.strip()}"
-    return None
-
-
-@pytest.mark.slow
-def test_nodes_with_private_disks_stop_before_training(tmp_path: Path) -> None:
-    """Two torchrun agents ("nodes"), each with its own tmpfs over the same outputs/ path
-    (node-local scratch), joined by a c10d rendezvous on 127.0.0.1."""
-    reason = _private_mounts_work()
-    if reason:
-        pytest.skip(reason)
-    (tmp_path / "outputs").mkdir()
-    port = free_port()
-    agents = []
-    for node in (0, 1):
-        torchrun = [
-            TORCHRUN,
-            "--nnodes=2",
-            f"--node_rank={node}",
-            "--nproc_per_node=1",
-            "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{port}",
-            "--rdzv_id=private-disks",
-            TRAIN,
-            "strategy=ddp",
-            *FAST,
-        ]
-        script = 'mount -t tmpfs none outputs && exec "$@"'
-        command = ["unshare", "--mount", "--propagation", "private", "bash", "-c", script, "-"]
-        agents.append(start([*command, *torchrun], cwd=tmp_path))
-    outputs = [a.communicate(timeout=300) for a in agents]
-    for agent, (out, err) in zip(agents, outputs, strict=True):
-        assert agent.returncode != 0, err[-3000:]
-        assert "error: The nodes of this job do not share a file system" in err, err[-3000:]
-        assert "rank(s) 1 on node(s) 1 cannot read it" in err and "Fix:" in err
-        assert "epoch 1/" not in out  # stopped before the first epoch ended
-    assert not list((tmp_path / "outputs").iterdir())  # the nodes wrote to their own disks
+# Nodes without a shared file system, and several nodes over a network: tests/test_netlab.py.
