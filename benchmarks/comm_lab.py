@@ -125,63 +125,75 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--prefix", default="ddplab")
     parser.add_argument("--tiny", action="store_true", help="2 settings, 2 steps, one rate")
+    parser.add_argument(
+        "--report-only", action="store_true", help="rebuild the report from --out's runs"
+    )
     args = parser.parse_args()
     if args.tiny:
         args.rates, args.warmup, args.steps, args.image_size = args.rates.split(",")[0], 1, 2, 8
     rates = [r for r in args.rates.split(",") if r]
     for rate in rates:
         parse_rate(rate)
+    if not args.report_only:
+        measure(args, rates)
+    _write(args.out, rows_of(args.out, rates, args.tiny))
+    return 0
+
+
+def measure(args: argparse.Namespace, rates: list[str]) -> None:
+    """Runs every one-node reference and 2-node setting; each leaves its results.json, and
+    each rate the lab's probes (probe_<rate>.json)."""
     lab = Lab.up(nodes=2, rate=rates[0], prefix=args.prefix)
     base = common(args)
-    rows = []
     try:
-        references = {}
+        done = set()
         for _name, reference, overrides in settings(args.tiny):
-            if reference in references:
-                continue
-            folder = args.out / "one_node" / reference
-            one_node_run(lab, folder, [*base, *overrides], timeout=600)
-            references[reference] = load_run(folder)
-        # What each hook costs in compute, measured: its one-node step less the baseline's.
-        base_step = references["baseline"].step_s
-        costs = {"none": 0.0}
-        costs.update(
-            {
-                h: max(0.0, references[h].step_s - base_step)
-                for h in references
-                if h in HOOK_SETTINGS
-            }
-        )
-        probed_costs = probe_hook_costs(references["baseline"], ["none", *HOOK_SETTINGS])
-        print(
-            "hook compute, measured (one node):",
-            _ms(costs),
-            "probe:",
-            _ms(probed_costs),
-            flush=True,
-        )
+            if reference not in done:
+                one_node_run(lab, args.out / "one_node" / reference, [*base, *overrides], 600)
+                done.add(reference)
         port = 29400 + os.getpid() % 500
         for rate in rates:
             lab.set_rate(parse_rate(rate))
-            link = lab.probe(megabytes=20 if parse_rate(rate) >= 5e8 else 8)
-            probed = Link.probed(
-                lab.allreduce_probe(megabytes=16 if parse_rate(rate) >= 5e8 else 8)
-            )
-            print(
-                f"{rate}: TCP {format_rate(int(link))}; all-reduce {probed.describe()}", flush=True
-            )
-            for name, recipe, overrides in settings(args.tiny):
+            fast = (parse_rate(rate) or 0) >= 5e8
+            probes = {
+                "tcp_bps": lab.probe(megabytes=20 if fast else 8),
+                "allreduce": lab.allreduce_probe(megabytes=16 if fast else 8),
+            }
+            (args.out / rate).mkdir(parents=True, exist_ok=True)
+            (args.out / f"probe_{rate}.json").write_text(json.dumps(probes, indent=2))
+            print(f"{rate}: {probes}", flush=True)
+            for name, _reference, overrides in settings(args.tiny):
                 port += 1
                 folder = args.out / rate / name.replace("=", "-")
-                record = two_node_run(lab, folder, [*base, *overrides], port, timeout=900)
-                rows.append(
-                    _row(rate, link, probed, name, recipe, overrides, record, references, costs)
-                )
-                print(_line(rows[-1]), flush=True)
+                two_node_run(lab, folder, [*base, *overrides], port, timeout=900)
+                print(f"{rate} {name}: done", flush=True)
     finally:
         lab.down()
-    _write(args.out, rows)
-    return 0
+
+
+def rows_of(out: Path, rates: list[str], tiny: bool) -> list[dict]:
+    """The report's rows from the runs in `out`, with the model's predictions."""
+    references = {p.name: load_run(p) for p in (out / "one_node").iterdir()}
+    # What each hook costs in compute, measured: its one-node step less the baseline's.
+    base_step = references["baseline"].step_s
+    costs = {"none": 0.0}
+    costs.update(
+        {h: max(0.0, references[h].step_s - base_step) for h in references if h in HOOK_SETTINGS}
+    )
+    probed_costs = probe_hook_costs(references["baseline"], ["none", *HOOK_SETTINGS])
+    print("hook compute, measured on one node:", _ms(costs), "; probe:", _ms(probed_costs))
+    rows = []
+    for rate in rates:
+        probes = json.loads((out / f"probe_{rate}.json").read_text())
+        link, probed = probes["tcp_bps"], Link.probed(probes["allreduce"])
+        print(f"{rate}: TCP {format_rate(int(link))}; all-reduce {probed.describe()}")
+        for name, recipe, overrides in settings(tiny):
+            record = json.loads((out / rate / name.replace("=", "-") / "results.json").read_text())
+            rows.append(
+                _row(rate, link, probed, name, recipe, overrides, record, references, costs)
+            )
+            print(_line(rows[-1]), flush=True)
+    return rows
 
 
 def _hook_of(overrides: list[str], recipe: str) -> str:
