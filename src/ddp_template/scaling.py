@@ -353,10 +353,15 @@ def report(
             ),
             key=lambda p: p.step_s,
         )
+        caveat = (
+            "; PowerSGD approximates the gradients: compare the accuracy with comm_hook=none"
+            if best.hook == "powersgd"
+            else ""
+        )
         lines.append(
             f"recommended at nodes={count}: strategy.comm_hook={best.hook} "
             f"strategy.bucket_cap_mb={_mb(best.bucket_cap_mb)} (predicted step {best.step_s:.3f} s, "
-            f"scaling efficiency {best.efficiency:.0%})"
+            f"scaling efficiency {best.efficiency:.0%}){caveat}"
         )
     return lines
 
