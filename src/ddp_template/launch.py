@@ -308,12 +308,10 @@ def _failure_order(failure: Any) -> tuple[int, int, int]:
     each, by time (the agent's whole seconds, then when the error file was written)."""
     error_file = Path(failure.error_file)
     written = error_file.stat().st_mtime_ns if error_file.is_file() else 0
-    if failure.exitcode < 0:
+    if failure.exitcode < 0 or isinstance(failure, SilentEnd):
         kind = 0
     else:
-        message = failure.message
-        text = str(message.get("message", "") if isinstance(message, dict) else message).lower()
-        kind = 2 if any(marker in text for marker in _BROUGHT_DOWN) else 1
+        kind = 2 if _brought_down(failure) else 1
     return kind, failure.timestamp, written
 
 
@@ -325,13 +323,33 @@ def every_failure(error: ChildFailedError, since: float) -> dict[int, ProcessFai
     `logs/attempt_<N>/<local rank>/error.json`."""
     failures = dict(error.failures)
     for rank, reported in error.failures.items():
-        for error_file in Path(reported.error_file).parent.parent.glob("*/error.json"):
+        attempt = Path(reported.error_file).parent.parent
+        for error_file in attempt.glob("*/error.json"):
             local_rank = int(error_file.parent.name)
             other = rank - reported.local_rank + local_rank
             if other not in failures and error_file.stat().st_mtime >= since:
                 # Its pid and exit code are not known: it raised, and exited with 1.
                 failures[other] = ProcessFailure(local_rank, -1, 1, str(error_file))
+        if _brought_down(reported):
+            # A rank that left no error file ended without raising: killed by a signal
+            # (the OOM killer, a user) or crashed in native code; its exit code is not known.
+            for folder in attempt.iterdir():
+                if not folder.name.isdigit() or (folder / "error.json").exists():
+                    continue
+                other = rank - reported.local_rank + int(folder.name)
+                if other not in failures:
+                    failures[other] = SilentEnd(int(folder.name), -1, 1, str(folder / "error.json"))
     return failures
+
+
+class SilentEnd(ProcessFailure):
+    """A rank that ended without an error of its own while the agent reported another."""
+
+
+def _brought_down(failure: ProcessFailure) -> bool:
+    message = failure.message
+    text = str(message.get("message", "") if isinstance(message, dict) else message).lower()
+    return any(marker in text for marker in _BROUGHT_DOWN)
 
 
 def describe_failure(error: ChildFailedError, log_dir: Path, since: float = 0) -> WorkerFailed:
@@ -341,7 +359,12 @@ def describe_failure(error: ChildFailedError, log_dir: Path, since: float = 0) -
     attempts = sorted(log_dir.glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
     rank_logs = attempts[-1] / str(failure.local_rank) if attempts else log_dir
     traceback = ""
-    if failure.exitcode < 0:
+    if isinstance(failure, SilentEnd):
+        cause = (
+            "ended without an error of its own, before the ranks it brought down: killed by "
+            "a signal (SIGKILL from the OOM killer or a user, ...) or crashed in native code"
+        )
+    elif failure.exitcode < 0:
         cause = f"was killed by {failure.signal_name()}"
     else:
         message = failure.message

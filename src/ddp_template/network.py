@@ -69,7 +69,11 @@ def route_source(address: str) -> str | None:
 
 
 def choose_endpoint(
-    master_addr: str, node_rank: int, num_nodes: int, interface: str | None = None
+    master_addr: str,
+    node_rank: int,
+    num_nodes: int,
+    interface: str | None = None,
+    master_port: int | None = None,
 ) -> Endpoint:
     """The interface and address this rank's backend should use, or a ConfigError that
     names the address, the node and the fix. `interface` is `network.interface`."""
@@ -112,6 +116,11 @@ def choose_endpoint(
         return Endpoint(hostname, str(source), name, f"route to {master_addr} ({remote[0]})")
 
     # The rendezvous host's name resolves to a loopback address here.
+    if node_rank != 0 and master_port is not None and _answers(masters[0], master_port):
+        # Node 0 runs on this very machine (several "nodes" on one host, over loopback).
+        return Endpoint(
+            hostname, masters[0], _owner(masters[0], table) or "lo", "node 0 is on this machine"
+        )
     if node_rank != 0:
         raise ConfigError(
             "MASTER_ADDR",
@@ -135,6 +144,22 @@ def choose_endpoint(
         )
     name, how = outward
     return Endpoint(hostname, table[name][0], name, how)
+
+
+def _answers(address: str, port: int, within_s: float = 10.0) -> bool:
+    """Whether something listens at address:port within `within_s` (node 0's store may
+    still be starting)."""
+    import time
+
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            socket.create_connection((address, port), timeout=1).close()
+            return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
 
 
 def use_endpoint(endpoint: Endpoint) -> None:

@@ -69,7 +69,9 @@ def start_process_group(
     """Runs the checks above, then `init_process_group`; returns every rank's endpoint.
     `config` is the flat config the nodes compare (`comparable_config`)."""
     wait = timedelta(seconds=float(config.get("network.timeout_s", 45)))
-    endpoint = choose_endpoint(main_address, node_rank, num_nodes, config.get("network.interface"))
+    endpoint = choose_endpoint(
+        main_address, node_rank, num_nodes, config.get("network.interface"), main_port
+    )
     use_endpoint(endpoint)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = main_address, str(main_port)
     store = _rendezvous_store(rank, world_size, wait, endpoint, main_address, main_port)
