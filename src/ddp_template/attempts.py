@@ -76,4 +76,7 @@ class AttemptLog(L.Callback):
         return {"attempts": self.attempts}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._earlier = list(state_dict.get("attempts", []))
+        # Only the checkpoint an attempt resumes from tells its history: the test after
+        # training loads best.ckpt too, whose list already holds this attempt.
+        if self._current is None:
+            self._earlier = list(state_dict.get("attempts", []))
