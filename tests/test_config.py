@@ -109,7 +109,7 @@ def test_truncated_checkpoint_is_refused(tmp_path: Path) -> None:
     truncated = tmp_path / "truncated.ckpt"
     truncated.write_bytes(whole.read_bytes()[:-300])
     check_config(compose_train(f"ckpt_path={whole}"))
-    with pytest.raises(ConfigError, match="cannot be read"):
+    with pytest.raises(ConfigError, match="not a complete torch.save archive"):
         check_config(compose_train(f"ckpt_path={truncated}"))
 
 

@@ -10,8 +10,6 @@ Each refusal is a `ConfigError` with the key, the bad value, what is allowed and
 from __future__ import annotations
 
 import os
-import zipfile
-from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -28,7 +26,7 @@ from ddp_template.schema import TRAINER_ARGS_ELSEWHERE, check_types_and_ranges
 from ddp_template.trackers import check_trackers
 from ddp_template.world import check_restarts, started_by, take_launched_world
 
-__all__ = ["TRAINER_ARGS_ELSEWHERE", "check_checkpoint_file", "check_config"]
+__all__ = ["TRAINER_ARGS_ELSEWHERE", "check_config"]
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 
 
@@ -47,8 +45,6 @@ def check_config(cfg: DictConfig) -> None:
     check_trackers(cfg)
     check_compile(cfg)
     check_progress(cfg)
-    if cfg.ckpt_path is not None:
-        check_checkpoint_file(cfg.ckpt_path)
     check_by_building(cfg)
     check_checkpoint(cfg)
 
@@ -231,25 +227,4 @@ def _check_prefetch(data: DictConfig) -> None:
             data.prefetch_factor,
             "only with data.num_workers > 0 (batches are prefetched by workers)",
             "set data.num_workers or leave data.prefetch_factor=null",
-        )
-
-
-def check_checkpoint_file(path: str) -> None:
-    """Exists, and is a complete torch.save archive (a truncated file has no zip directory)."""
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError("ckpt_path", path, "an existing checkpoint file", "check the path")
-    try:
-        with zipfile.ZipFile(file) as archive:
-            names = archive.namelist()
-    except (zipfile.BadZipFile, OSError) as err:
-        raise ConfigError(
-            "ckpt_path",
-            path,
-            f"a complete Lightning checkpoint; this file cannot be read ({err})",
-            "use another checkpoint, e.g. last.ckpt of the run",
-        ) from None
-    if not any(name.endswith("data.pkl") for name in names):
-        raise ConfigError(
-            "ckpt_path", path, "a torch.save checkpoint; this archive holds none", "check the path"
         )

@@ -88,7 +88,7 @@ def start_process_group(
         mine["probe_port"] = listener.getsockname()[1] if listener else None
     board.set(f"rank/{rank}", json.dumps(mine))
     where = f"{main_address}:{main_port}"
-    ranks = _gather(board, world_size, wait, endpoint, node_rank, where)
+    ranks = _gather(board, rank, world_size, wait, endpoint, node_rank, where)
     if leader:
         board.set(f"reach/{node_rank}", json.dumps(_probe_peers(ranks, node_rank, num_nodes)))
     try:
@@ -134,7 +134,13 @@ def _rendezvous_store(rank, world_size, wait, endpoint: Endpoint, address: str, 
 
 
 def _gather(
-    board, world_size: int, wait: timedelta, endpoint: Endpoint, node_rank: int, where: str
+    board,
+    rank: int,
+    world_size: int,
+    wait: timedelta,
+    endpoint: Endpoint,
+    node_rank: int,
+    where: str,
 ):
     keys = [f"rank/{r}" for r in range(world_size)]
     try:
@@ -143,7 +149,7 @@ def _gather(
         try:
             missing = [r for r, key in enumerate(keys) if not board.check([key])]
         except Exception:
-            raise _store_gone(int(os.environ.get("RANK", -1)), endpoint, node_rank, where) from None
+            raise _store_gone(rank, endpoint, node_rank, where) from None
         raise NodesDisagree(
             f"Rank(s) {', '.join(map(str, missing))} did not reach the start of the job "
             f"within {wait.total_seconds():.0f} s (seen from node {node_rank}, "
