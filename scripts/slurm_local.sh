@@ -44,6 +44,9 @@ SlurmctldHost=$host
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# A requeued job waits cred_expire + 1 s before it may start again (120 s by default): 10 s
+# keeps the real wait in the preemption tests without making them slow.
+AuthInfo=cred_expire=10
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/d
 SlurmctldPidFile=$STATE/slurmctld.pid
