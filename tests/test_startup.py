@@ -129,3 +129,49 @@ def test_startup_benchmark_prints_its_figures() -> None:
         assert any(line.startswith(phase) for line in lines), proc.stdout
     assert re.fullmatch(r"start-up ratio: \d+\.\d\d", lines[-2])
     assert re.fullmatch(r"extra start-up: -?\d+\.\d\d s", lines[-1])
+
+
+_POLICY_AT_TORCH_IMPORT = """
+import os, sys
+class SeeTorchImport:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            print("OMP_WAIT_POLICY at torch import:", os.environ.get("OMP_WAIT_POLICY"))
+            sys.meta_path.remove(self)
+        return None
+sys.meta_path.insert(0, SeeTorchImport())
+import ddp_template.train
+"""
+
+
+@pytest.mark.parametrize(("exported", "expected"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_openmp_threads_sleep_unless_the_user_says_otherwise(exported, expected) -> None:
+    """OpenMP reads its wait policy once, when torch loads it: `train.py` sets it first."""
+    env = {k: v for k, v in subprocess_env().items() if k != "OMP_WAIT_POLICY"}
+    if exported:
+        env["OMP_WAIT_POLICY"] = exported
+    proc = subprocess.run(
+        [sys.executable, "-c", _POLICY_AT_TORCH_IMPORT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"OMP_WAIT_POLICY at torch import: {expected}" in proc.stdout
+
+
+@pytest.mark.slow
+def test_threads_under_load_benchmark_prints_its_figures() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "threads_under_load.py"), "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=TESTS,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    for name in ("threads spin", "threads sleep", "one thread"):
+        assert any(name in line and re.search(r"\d+ +\d+$", line) for line in lines), proc.stdout
+    assert re.fullmatch(r"under load, sleeping / spinning threads: \d+\.\dx", lines[-1])

@@ -6,6 +6,10 @@ process; each worker (one per device) then runs `fit_and_test` on the resolved c
 
 from __future__ import annotations
 
+from ddp_template import process_defaults  # noqa: F401  (first: before torch loads)
+
+# isort: split
+
 import os
 import sys
 import warnings
@@ -23,12 +27,6 @@ from ddp_template.errors import UserFacingError
 from ddp_template.launch import record_failures
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
-# CUDA counted through NVML, as Lightning does once imported: a launching process that
-# initialised CUDA could not fork its workers (see launch.worker_start_method).
-os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-# pyarrow (imported by pandas, which scikit-learn's data sets import) starts a jemalloc
-# background thread when it loads; beside that thread the workers could not be forked.
-os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
 
 resolvers.register()
 

@@ -1,0 +1,15 @@
+"""Environment defaults that take effect only when set before a library loads: imported by
+`train.py` ahead of torch, Lightning and pandas. A value the user exported wins."""
+
+import os
+
+# torch's OpenMP threads sleep while they wait instead of spinning. On cores that other
+# processes share, a spinning thread holds a core its own team's other thread needs: on
+# 2 busy cores the default run's steps were 21x slower (benchmarks/threads_under_load.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# CUDA counted through NVML, as Lightning does once imported: a launching process that
+# initialised CUDA could not fork its workers (see launch.worker_start_method).
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+# pyarrow (imported by pandas, which scikit-learn's data sets import) starts a jemalloc
+# background thread when it loads; beside that thread the workers could not be forked.
+os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
