@@ -57,7 +57,14 @@ def run(cfg: DictConfig) -> float | None:
     from ddp_template.checks import check_config
     from ddp_template.launch import launch, single_threaded
     from ddp_template.results import print_summary
+    from ddp_template.resume_folder import finished_results
 
+    finished = finished_results(Path(cfg.paths.output_dir)) if cfg.get("resume") else None
+    if finished is not None:
+        # A job of a resumed sweep that finished before: its results, as they were.
+        print(f"{cfg.paths.output_dir} finished before (resume=true): not run again", flush=True)
+        print_summary(finished)
+        return finished.get(cfg.optimized_metric)
     try:
         with single_threaded():
             check_config(cfg)
@@ -196,13 +203,14 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _resume_point(cfg: DictConfig) -> str | None:
-    """A restart of the worker group or a SLURM requeue continues from the job's newest
-    complete checkpoint (`last.ckpt`, else the previous one, with a line saying so); a
-    fresh start from `ckpt_path` (usually none)."""
+    """A restart of the worker group, a SLURM requeue or `resume=true` continues from the
+    job's newest complete checkpoint (`last.ckpt`, else the previous one, with a line saying
+    so); a fresh start from `ckpt_path` (usually none)."""
     from ddp_template.attempts import requeue_count, restart_count
     from ddp_template.checkpoint_check import newest_complete
 
-    if restart_count() > 0 or requeue_count() > 0 or _rejoined_by_torchrun(cfg):
+    continued = restart_count() > 0 or requeue_count() > 0 or cfg.get("resume", False)
+    if continued or _rejoined_by_torchrun(cfg):
         resume_from, note = newest_complete(last_checkpoint(cfg))
         if note and os.environ.get("RANK", "0") == "0":
             # stdout: rank 0's reaches the console under this project's launcher.
