@@ -16,25 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import FAST, ROOT, results, start, train
+from conftest import (
+    FIRST_EPOCH_STEPS,
+    ROOT,
+    TWO_EPOCHS,
+    interrupt_after_first_epoch,
+    results,
+    start,
+    train,
+)
 
 from ddp_template.report import load_rows
-
-# Two epochs of two steps: last.prev.ckpt is the end of epoch 1, last.ckpt of epoch 2.
-TWO_EPOCHS = [
-    *[o for o in FAST if not o.startswith(("trainer.max_epochs", "trainer.limit_train"))],
-    "trainer.max_epochs=2",
-    "trainer.limit_train_batches=2",
-]
-STEPS_PER_EPOCH = 2
-
-
-def interrupt_after_first_epoch(job: Path) -> None:
-    """The state a job killed during its second epoch leaves: the first epoch's checkpoint
-    as last.ckpt, no results."""
-    (job / "results.json").unlink()
-    checkpoints = job / "checkpoints"
-    (checkpoints / "last.prev.ckpt").replace(checkpoints / "last.ckpt")
 
 
 def weights(job: Path) -> dict[str, torch.Tensor]:
@@ -56,10 +48,10 @@ def test_a_run_resumes_in_its_own_folder(tmp_path: Path) -> None:
     resumed = results(run)
     assert [(a["began"], a["start_step"]) for a in resumed["attempts"]] == [
         ("fresh", 0),
-        ("resume", STEPS_PER_EPOCH),
+        ("resume", FIRST_EPOCH_STEPS),
     ]
     assert resumed["resumed_from"] == str(run / "checkpoints" / "last.ckpt")
-    assert resumed["global_step"] == 2 * STEPS_PER_EPOCH
+    assert resumed["global_step"] == 2 * FIRST_EPOCH_STEPS
     assert same_weights(weights(run), uninterrupted)
 
 
@@ -81,7 +73,7 @@ def test_a_packed_sweep_resumes_where_it_stopped(tmp_path: Path) -> None:
     assert (finished.stat().st_mtime_ns, results(sweep / "0")["attempts"]) == finished_before
     began = {job: [a["began"] for a in results(sweep / job)["attempts"]] for job in "12"}
     assert began == {"1": ["fresh", "resume"], "2": ["fresh"]}
-    assert results(sweep / "1")["attempts"][1]["start_step"] == STEPS_PER_EPOCH
+    assert results(sweep / "1")["attempts"][1]["start_step"] == FIRST_EPOCH_STEPS
     assert same_weights(weights(sweep / "1"), weights(uninterrupted / "1"))
     # The same report as the uninterrupted sweep: every job's summary, the same rows.
     assert proc.stdout.count("Run summary") == 3
