@@ -36,8 +36,12 @@ def study_storage(storage: Any) -> Any:
             context = alembic.migration.MigrationContext.configure(connection)
             context.stamp(manager._create_alembic_script(), revision)
 
+    class Storage(RDBStorage):
+        def __repr__(self) -> str:  # the sweeper logs its storage
+            return str(self.url)
+
     with mock.patch.object(_VersionManager, "_set_alembic_revision", committed_stamp):
-        return RDBStorage(storage)
+        return Storage(storage)
 
 
 def continue_study(sweeper: Any, arguments: list[str]) -> None:
@@ -51,11 +55,17 @@ def continue_study(sweeper: Any, arguments: list[str]) -> None:
         return  # no study stored yet: the sweep starts it
     _, fixed = create_params_from_overrides(sweeper._parse_sweeper_params_config() + arguments)
     stopped = [t for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
-    for trial in stopped:
-        overrides = [f"{name}={value}" for name, value in {**trial.params, **fixed}.items()]
-        log.info(f"Trial {trial.number} was stopped: continued in its folder")
-        (result,) = sweeper.launcher.launch([overrides], initial_job_idx=trial.number)
-        _tell(study, trial.number, result)
+    for batch in _consecutive(stopped):
+        numbers = ", ".join(str(trial.number) for trial in batch)
+        log.info(f"Trials stopped with the sweep, continued in their folders: {numbers}")
+        overrides = [
+            [f"{name}={value}" for name, value in {**trial.params, **fixed}.items()]
+            for trial in batch
+        ]
+        # Launched together, as the sweeper launched them (side by side with launcher=packed).
+        returns = sweeper.launcher.launch(overrides, initial_job_idx=batch[0].number)
+        for trial, result in zip(batch, returns, strict=True):
+            _tell(study, trial.number, result)
     done = len(study.trials)
     if done and hasattr(sweeper.sampler, "reseed_rng"):
         # A seeded sampler starts its sequence over in a new process: its first proposals
@@ -64,6 +74,17 @@ def continue_study(sweeper: Any, arguments: list[str]) -> None:
     sweeper.job_idx = done
     sweeper.n_trials = max(0, int(sweeper.n_trials) - done)
     log.info(f"Study {study.study_name}: {done} trials done, {sweeper.n_trials} to go")
+
+
+def _consecutive(trials: list[Any]) -> list[list[Any]]:
+    """Runs of consecutive trial numbers: a launch numbers its jobs on from its first."""
+    batches: list[list[Any]] = []
+    for trial in trials:
+        if batches and batches[-1][-1].number + 1 == trial.number:
+            batches[-1].append(trial)
+        else:
+            batches.append([trial])
+    return batches
 
 
 def _tell(study: Any, number: int, result: Any) -> None:
