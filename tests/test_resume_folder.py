@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -125,3 +126,22 @@ def test_results_of_a_finished_job_are_told_from_a_torn_file(tmp_path: Path) -> 
     assert finished_results(tmp_path) is None
     (tmp_path / "results.json").write_text(json.dumps({"finished_at": "now"}))
     assert finished_results(tmp_path) == {"finished_at": "now"}
+
+
+def test_a_stopped_sweep_says_how_to_continue_it(tmp_path: Path, monkeypatch) -> None:
+    from ddp_template.preemption import interrupted_sweep_message
+
+    argv = ["train.py", "-m", "seed=1,2,3", "hydra.sweep.dir=old", "resume=true"]
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.chdir(tmp_path)
+    line = interrupted_sweep_message(signal.SIGINT, tmp_path / "sweep")
+    assert line.startswith("stopped by SIGINT; resume the sweep with: ")
+    command = shlex.split(line.split("resume the sweep with: ", 1)[1])
+    assert command == [
+        sys.executable,
+        "train.py",
+        "-m",
+        "seed=1,2,3",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        "resume=true",
+    ]

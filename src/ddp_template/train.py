@@ -89,9 +89,14 @@ def run(cfg: DictConfig) -> float | None:
 
 def _stopped_by_signal(cfg: DictConfig, signum: int) -> None:
     """Ctrl-C or SIGTERM: the workers are stopped; one line says how to resume. A sweep
-    stops too (its other jobs would be interrupted the same way)."""
-    from ddp_template.preemption import interrupted_message
+    stops too (its other jobs would be interrupted the same way): the line gives the
+    command that continues the whole sweep."""
+    from ddp_template.preemption import interrupted_message, interrupted_sweep_message
 
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        sweep_dir = Path(HydraConfig.get().sweep.dir)
+        print(f"error: {interrupted_sweep_message(signum, sweep_dir)}", file=sys.stderr)
+        sys.exit(128 + int(signum))
     checkpoints = cfg.get("callbacks", {}).get("model_checkpoint") or {}
     folder = Path(checkpoints.get("dirpath") or Path(cfg.paths.output_dir) / "checkpoints")
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
