@@ -35,6 +35,23 @@ FAST = [
     "logger=none",
 ]
 
+# Two epochs of FIRST_EPOCH_STEPS steps: last.prev.ckpt is the end of epoch 1, last.ckpt
+# the end of epoch 2.
+TWO_EPOCHS = [
+    *[o for o in FAST if not o.startswith(("trainer.max_epochs", "trainer.limit_train"))],
+    "trainer.max_epochs=2",
+    "trainer.limit_train_batches=2",
+]
+FIRST_EPOCH_STEPS = 2
+
+
+def interrupt_after_first_epoch(job: Path) -> None:
+    """The state a job killed during its second epoch leaves: the first epoch's checkpoint
+    as last.ckpt, no results."""
+    (job / "results.json").unlink()
+    checkpoints = job / "checkpoints"
+    (checkpoints / "last.prev.ckpt").replace(checkpoints / "last.ckpt")
+
 
 def on_cpu_unless_told(overrides: tuple[str, ...] | list[str]) -> list[str]:
     """The overrides, plus `accelerator=cpu` when they name no accelerator."""

@@ -16,6 +16,7 @@ from ddp_template.callbacks.startup_report import oversubscription_warning
 from ddp_template.checks import check_config
 from ddp_template.errors import ConfigError
 from ddp_template.results import export_weights
+from ddp_template.resume_folder import ResumeCheck, check_run_folder, check_sweep_folder
 
 CASES = {
     "devices=abc": (["devices=abc"], "devices='abc'"),
@@ -25,6 +26,7 @@ CASES = {
         "strategy.bucket_cap_mb=-5",
     ),
     "missing ckpt": (["ckpt_path=/no/such/file"], "ckpt_path='/no/such/file'"),
+    "resume a folder without a job": (["resume=true"], "this one holds no job"),
     "missing folder": (
         ["data=imagefolder", "data.root=/no/such/folder"],
         "data.root='/no/such/folder'",
@@ -289,3 +291,76 @@ def test_misspelt_key_is_named_before_hydra_composes() -> None:
     assert err.value.key == "trainer.max_epoch" and err.value.fix == "trainer.max_epochs=1"
     for fine in (["trainer.max_epochs=1"], ["-m", "seed=1,2"], ["+trainer.max_epoch=1"]):
         check_override_keys(fine, CONFIG_DIR, "train")
+
+
+def _composed_with_hydra(*overrides: str):
+    """The config `python train.py <overrides>` runs, with its `hydra` node."""
+    from hydra import compose, initialize_config_dir
+
+    from ddp_template.train import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose("train", overrides=[*overrides, "accelerator=cpu"], return_hydra_config=True)
+
+
+def _saved_run(folder: Path, *overrides: str) -> Path:
+    """A run's folder as Hydra leaves it: its config in .hydra/config.yaml."""
+    from omegaconf import OmegaConf
+
+    (folder / ".hydra").mkdir(parents=True)
+    OmegaConf.save(compose_train(*overrides), folder / ".hydra" / "config.yaml")
+    return folder
+
+
+def test_resume_of_a_folder_without_a_job_is_refused_before_hydra_writes(
+    tmp_path: Path, capsys
+) -> None:
+    empty = tmp_path / "empty"
+    config = _composed_with_hydra("resume=true", f"hydra.run.dir={empty}")
+    with pytest.raises(SystemExit) as stop:
+        ResumeCheck().on_run_start(config=config)
+    assert stop.value.code == 2
+    message = capsys.readouterr().err
+    assert f"hydra.run.dir='{empty}'" in message and "holds no job" in message
+    assert "Fix:" in message and message.count("\n") == 1
+    assert not empty.exists()
+
+
+def test_resume_of_a_run_of_another_config_names_the_keys_that_differ(tmp_path: Path) -> None:
+    run = _saved_run(tmp_path / "run", "seed=1", "trainer.max_epochs=3")
+    # devices may change on resume: the loader continues at another world size.
+    here = compose_train("seed=2", "trainer.max_epochs=3", "devices=2", "resume=true")
+    with pytest.raises(ConfigError) as err:
+        check_run_folder(run, here)
+    message = str(err.value)
+    assert err.value.key == "hydra.run.dir" and "seed (1 there, 2 here)" in message
+    assert "trainer.max_epochs" not in message and "devices" not in message
+    assert "resume (" not in message and "overrides.yaml" in err.value.fix
+
+
+def test_resume_of_a_run_without_a_checkpoint_is_refused(tmp_path: Path) -> None:
+    run = _saved_run(tmp_path / "run", "seed=1")
+    with pytest.raises(ConfigError) as err:
+        check_run_folder(run, compose_train("seed=1", "resume=true"))
+    assert "a run that saved a checkpoint" in str(err.value)
+    assert "leave resume out" in err.value.fix
+
+
+def test_resume_of_a_sweep_needs_the_sweep_of_the_same_command(tmp_path: Path) -> None:
+    from omegaconf import OmegaConf, open_dict
+
+    def sweep_config(*overrides: str):
+        config = _composed_with_hydra()
+        with open_dict(config):
+            config.hydra.overrides.task = list(overrides)
+        return config
+
+    with pytest.raises(ConfigError, match="this one holds no sweep"):
+        check_sweep_folder(tmp_path, sweep_config("seed=1,2,3", "resume=true"))
+    OmegaConf.save(sweep_config("seed=1,2,3", "launcher=packed"), tmp_path / "multirun.yaml")
+    # Another launcher, or the switch itself, keeps the jobs and their folders.
+    check_sweep_folder(tmp_path, sweep_config("seed=1,2,3", "resume=true"))
+    with pytest.raises(ConfigError) as err:
+        check_sweep_folder(tmp_path, sweep_config("seed=1,3", "resume=true"))
+    assert err.value.key == "hydra.sweep.dir"
+    assert "hydra.overrides.task (['seed=1,2,3'] there, ['seed=1,3'] here)" in str(err.value)

@@ -14,7 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, ROOT, TESTS, results, train
+from conftest import (
+    FAST,
+    FIRST_EPOCH_STEPS,
+    ROOT,
+    TESTS,
+    TWO_EPOCHS,
+    interrupt_after_first_epoch,
+    results,
+    train,
+)
 
 # Two tasks of one CPU each, a few steps: a DDP job of a few seconds once started.
 TINY_SLURM = ["-m", "launcher=slurm", "strategy=ddp", "devices=2", *FAST]
@@ -228,6 +237,25 @@ def test_a_sweep_over_devices_is_refused(slurm, tmp_path) -> None:
     proc = train(*args, "devices=1,2", cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "one value per sweep" in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "multirun").exists()
+
+
+@pytest.mark.slow
+def test_a_resumed_sweep_runs_only_what_is_missing(slurm, tmp_path: Path) -> None:
+    """resume=true: the finished job's results stay as they were, the interrupted one
+    continues from its last.ckpt in its SLURM job."""
+    sweep = tmp_path / "sweep"
+    command = ["-m", "launcher=slurm", *TWO_EPOCHS, "seed=1,2", f"hydra.sweep.dir={sweep}"]
+    train(*command, cwd=tmp_path)
+    finished = (sweep / "0" / "results.json").stat().st_mtime_ns
+    interrupt_after_first_epoch(sweep / "1")
+
+    train(*command, "resume=true", cwd=tmp_path)
+    assert (sweep / "0" / "results.json").stat().st_mtime_ns == finished
+    attempts = results(sweep / "1")["attempts"]
+    assert [(a["began"], a["start_step"]) for a in attempts] == [
+        ("fresh", 0),
+        ("resume", FIRST_EPOCH_STEPS),
+    ]
 
 
 @pytest.mark.slow

@@ -1,8 +1,8 @@
 """The attempts a run took, carried in its checkpoints: results.json tells a resume from
 a retrain.
 
-Each attempt (the first start, a restart of the worker group, a SLURM requeue, a start from
-`ckpt_path`) notes when training starts how it began, the optimizer step it started at and
+Each attempt (the first start, a restart of the worker group, a SLURM requeue, `resume=true`,
+a start from `ckpt_path`) notes when training starts how it began, the optimizer step it started at and
 its world size, and in each checkpoint the training samples it had trained (all ranks).
 The list travels inside every checkpoint (`AttemptLog`'s state), so the attempt that
 finishes holds all of them: an attempt that resumed starts at a step > 0, one that ignored
@@ -30,17 +30,22 @@ def requeue_count() -> int:
     return int(os.environ.get("SLURM_RESTART_COUNT", "0"))
 
 
-def how_attempt_began(ckpt_path: object) -> str:
-    """restart | requeue (whether or not a checkpoint was found) | ckpt_path | fresh."""
+def how_attempt_began(ckpt_path: object, resume: bool = False) -> str:
+    """restart | requeue (whether or not a checkpoint was found) | resume (`resume=true`
+    found the job's checkpoint) | ckpt_path | fresh."""
     if restart_count() > 0:
         return "restart"
     if requeue_count() > 0:
         return "requeue"
+    if resume and ckpt_path:
+        return "resume"
     return "ckpt_path" if ckpt_path else "fresh"
 
 
 class AttemptLog(L.Callback):
-    def __init__(self) -> None:
+    def __init__(self, resume: bool = False) -> None:
+        # `resume=true`: an attempt that starts from a checkpoint began as a resume.
+        self._resume = resume
         self._earlier: list[dict[str, Any]] = []
         self._current: dict[str, Any] | None = None
         self._trainer: L.Trainer | None = None
@@ -67,7 +72,7 @@ class AttemptLog(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._trainer = trainer
         self._current = {
-            "began": how_attempt_began(trainer.ckpt_path),
+            "began": how_attempt_began(trainer.ckpt_path, self._resume),
             "start_step": trainer.global_step,
             "world_size": trainer.world_size,
         }

@@ -97,7 +97,11 @@ def build_callbacks(cfg: DictConfig) -> list[Callback]:
     callbacks.append(SharedDiskCheck())
     # One checkpoint for all ranks, the training loader's position on resume at any world
     # size, and the attempts the run took (results.json): not optional.
-    callbacks += [ResumeAgreement(), LoaderPosition(), AttemptLog()]
+    callbacks += [
+        ResumeAgreement(),
+        LoaderPosition(),
+        AttemptLog(resume=bool(cfg.get("resume", False))),
+    ]
     return callbacks
 
 

@@ -206,6 +206,14 @@ def interrupted_message(signum: int, checkpoint_dir: Path, overrides: list[str])
     return f"stopped by {name}; the last checkpoint is {last}; resume with: {command}"
 
 
+def interrupted_sweep_message(signum: int, sweep_dir: Path) -> str:
+    """One line for a sweep stopped by a signal: the command that continues it in its
+    folder (resume=true: finished jobs are kept, interrupted ones resume, docs/resume.md)."""
+    kept = [a for a in sys.argv[1:] if not a.startswith(("hydra.sweep.dir=", "resume="))]
+    command = shlex.join([*this_command(), *kept, f"hydra.sweep.dir={sweep_dir}", "resume=true"])
+    return f"stopped by {signal.Signals(signum).name}; resume the sweep with: {command}"
+
+
 def this_command() -> list[str]:
     """How this process was started, to be typed again from the same folder: the running
     interpreter (`.venv/bin/python` inside the project; a bare `python` may be another one,

@@ -44,6 +44,7 @@ class Run:
 
     seed: int = 42
     ckpt_path: str | None = None
+    resume: bool = False
     max_restarts: int = 0
     test: bool = True
     optimized_metric: str = "test/acc"

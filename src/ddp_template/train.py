@@ -55,7 +55,14 @@ def run(cfg: DictConfig) -> float | None:
     from ddp_template.checks import check_config
     from ddp_template.launch import launch, single_threaded
     from ddp_template.results import print_summary
+    from ddp_template.resume_folder import finished_results
 
+    finished = finished_results(Path(cfg.paths.output_dir)) if cfg.get("resume") else None
+    if finished is not None:
+        # A job of a resumed sweep that finished before: its results, as they were.
+        print(f"{cfg.paths.output_dir} finished before (resume=true): not run again", flush=True)
+        print_summary(finished)
+        return finished.get(cfg.optimized_metric)
     try:
         with single_threaded():
             check_config(cfg)
@@ -80,9 +87,14 @@ def run(cfg: DictConfig) -> float | None:
 
 def _stopped_by_signal(cfg: DictConfig, signum: int) -> None:
     """Ctrl-C or SIGTERM: the workers are stopped; one line says how to resume. A sweep
-    stops too (its other jobs would be interrupted the same way)."""
-    from ddp_template.preemption import interrupted_message
+    stops too (its other jobs would be interrupted the same way): the line gives the
+    command that continues the whole sweep."""
+    from ddp_template.preemption import interrupted_message, interrupted_sweep_message
 
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        sweep_dir = Path(HydraConfig.get().sweep.dir)
+        print(f"error: {interrupted_sweep_message(signum, sweep_dir)}", file=sys.stderr)
+        sys.exit(128 + int(signum))
     checkpoints = cfg.get("callbacks", {}).get("model_checkpoint") or {}
     folder = Path(checkpoints.get("dirpath") or Path(cfg.paths.output_dir) / "checkpoints")
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
@@ -194,13 +206,14 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _resume_point(cfg: DictConfig) -> str | None:
-    """A restart of the worker group or a SLURM requeue continues from the job's newest
-    complete checkpoint (`last.ckpt`, else the previous one, with a line saying so); a
-    fresh start from `ckpt_path` (usually none)."""
+    """A restart of the worker group, a SLURM requeue or `resume=true` continues from the
+    job's newest complete checkpoint (`last.ckpt`, else the previous one, with a line saying
+    so); a fresh start from `ckpt_path` (usually none)."""
     from ddp_template.attempts import requeue_count, restart_count
     from ddp_template.checkpoint_check import newest_complete
 
-    if restart_count() > 0 or requeue_count() > 0 or _rejoined_by_torchrun(cfg):
+    continued = restart_count() > 0 or requeue_count() > 0 or cfg.get("resume", False)
+    if continued or _rejoined_by_torchrun(cfg):
         resume_from, note = newest_complete(last_checkpoint(cfg))
         if note and os.environ.get("RANK", "0") == "0":
             # stdout: rank 0's reaches the console under this project's launcher.

@@ -1,0 +1,212 @@
+"""`resume=true`: a run, or a whole sweep, continued in the folder it was started in.
+
+    python train.py <overrides> hydra.run.dir=<old run folder> resume=true
+    python train.py -m <the sweep's overrides> hydra.sweep.dir=<old sweep folder> resume=true
+
+A job of the folder that finished (its `results.json`) is not run again: its results are
+reported as they were. One that was interrupted continues from its `checkpoints/last.ckpt`
+(`last.prev.ckpt` when that one is torn), and one that never saved a checkpoint starts
+afresh. A sweep's jobs keep their folders: Hydra numbers them in the order the sweep
+command lists them (`hydra.sweep.subdir`), the same order for the same command.
+
+`ResumeCheck` (a Hydra callback, conf/hydra/default.yaml) checks the folder before Hydra
+writes the new job's `.hydra/` over the old one, and before any worker starts: it must hold
+a job (a sweep) of the same config, up to the keys a resume may change.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from ddp_template.checkpoint_check import newest_complete
+from ddp_template.errors import ConfigError
+from ddp_template.results import RESULTS_FILE
+
+SAVED_CONFIG = Path(".hydra") / "config.yaml"
+SWEEP_CONFIG = "multirun.yaml"
+# Keys a resume may change: the switch itself, where and on how many devices it runs (the
+# loader continues at another world size, docs/resume.md), restarts, and Hydra's folders.
+MAY_CHANGE = ("resume", "devices", "num_nodes", "max_restarts", "network", "paths", "hydra")
+# What a sweep's command decides besides the config: which jobs it runs, in what order.
+SWEEP_KEYS = ("hydra.overrides.task", "hydra.sweeper.params", "hydra.sweep.subdir")
+
+
+def finished_results(job_dir: Path) -> dict[str, Any] | None:
+    """The results of a job that finished (results.json is written last, whole), else None."""
+    try:
+        results = json.loads((job_dir / RESULTS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return results if isinstance(results, dict) and "finished_at" in results else None
+
+
+def last_checkpoint_of(job_dir: Path) -> Path:
+    return job_dir / "checkpoints" / "last.ckpt"
+
+
+def config_differences(saved: DictConfig | dict, composed: DictConfig | dict) -> list[str]:
+    """`key (saved there, here now)` for each key, outside MAY_CHANGE, whose value differs
+    (interpolations compared as written, not resolved)."""
+    before = _flat(OmegaConf.to_container(OmegaConf.create(saved), resolve=False))
+    after = _flat(OmegaConf.to_container(OmegaConf.create(composed), resolve=False))
+    missing = object()
+    differ = []
+    for key in sorted(set(before) | set(after)):
+        if key.split(".")[0] in MAY_CHANGE:
+            continue
+        old, new = before.get(key, missing), after.get(key, missing)
+        if old != new:
+            differ.append(f"{key} ({_shown(old, missing)} there, {_shown(new, missing)} here)")
+    return differ
+
+
+def sweep_differences(saved: DictConfig, composed: DictConfig) -> list[str]:
+    """As `config_differences`, plus the sweep's own keys: the overrides and the sweeper's
+    parameters, which decide the jobs and their folders."""
+    differ = config_differences(saved, composed)
+    before = OmegaConf.to_container(saved, resolve=False)
+    after = OmegaConf.to_container(composed, resolve=False)
+    for key in SWEEP_KEYS:
+        old = _without_resume(_at(before, key))
+        new = _without_resume(_at(after, key))
+        if old != new:
+            differ.append(f"{key} ({old!r} there, {new!r} here)")
+    return differ
+
+
+def _at(node: Any, key: str) -> Any:
+    """The value at a dotted key of a plain container, interpolations as written."""
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _without_resume(value: Any) -> Any:
+    """A sweep's overrides less those a resume may change: `resume`, the launcher, and
+    single values of MAY_CHANGE keys (a swept one decides the jobs)."""
+    if not isinstance(value, list):
+        return value
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    kept = []
+    for override in map(str, value):
+        parsed = parser.parse_override(override)
+        key = parsed.get_key_element().lstrip("+~")
+        changeable = key == "launcher" or key.split(".")[0] in MAY_CHANGE
+        if not (changeable and not parsed.is_sweep_override()):
+            kept.append(override)
+    return kept
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        flat: dict[str, Any] = {}
+        for key, value in node.items():
+            flat.update(_flat(value, f"{prefix}{key}."))
+        return flat or {prefix.rstrip("."): {}}
+    return {prefix.rstrip("."): node}
+
+
+def _shown(value: Any, missing: object) -> str:
+    return "not set" if value is missing else repr(value)
+
+
+def _listed(differences: list[str], shown: int = 5) -> str:
+    more = len(differences) - shown
+    return "; ".join(differences[:shown]) + (f"; and {more} more" if more > 0 else "")
+
+
+def check_run_folder(folder: Path, cfg: DictConfig) -> None:
+    """A single run's folder: a job of this config with a checkpoint (or its results)."""
+    saved_config = folder / SAVED_CONFIG
+    if not saved_config.is_file():
+        raise ConfigError(
+            "hydra.run.dir",
+            str(folder),
+            "with resume=true, the folder of an earlier run of this config; this one holds "
+            f"no job ({SAVED_CONFIG} is missing)",
+            "give the run's own folder (outputs/<date>/<time>_<pid>), or leave resume out "
+            "to start a new run",
+        )
+    task_cfg = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
+    differences = config_differences(OmegaConf.load(saved_config), task_cfg)
+    if differences:
+        raise ConfigError(
+            "hydra.run.dir",
+            str(folder),
+            "with resume=true, a run of the same config; this folder's run had another: "
+            + _listed(differences),
+            f"resume with the overrides it was started with ({folder / '.hydra'}/"
+            "overrides.yaml) plus resume=true, or leave resume out to start a new run",
+        )
+    if finished_results(folder) is None and _checkpoint_to_resume(folder, cfg) is None:
+        raise ConfigError(
+            "hydra.run.dir",
+            str(folder),
+            "with resume=true, a run that saved a checkpoint; this one has neither "
+            f"{last_checkpoint_of(folder)} nor a complete previous one, nor results",
+            "leave resume out to start it again, or give ckpt_path=<a checkpoint>",
+        )
+
+
+def _checkpoint_to_resume(folder: Path, cfg: DictConfig) -> Path | None:
+    found, _ = newest_complete(last_checkpoint_of(folder))
+    if found is None and cfg.get("ckpt_path"):
+        return Path(cfg.ckpt_path)
+    return found
+
+
+def check_sweep_folder(folder: Path, cfg: DictConfig) -> None:
+    """A sweep's folder: the sweep this command started before (its multirun.yaml)."""
+    saved_config = folder / SWEEP_CONFIG
+    if not saved_config.is_file():
+        raise ConfigError(
+            "hydra.sweep.dir",
+            str(folder),
+            f"with resume=true, the folder of an earlier sweep; this one holds no sweep "
+            f"({SWEEP_CONFIG} is missing)",
+            "give the sweep's own folder (multirun/<date>/<time>_<pid>), or leave resume "
+            "out to start a new sweep",
+        )
+    differences = sweep_differences(OmegaConf.load(saved_config), cfg)
+    if differences:
+        raise ConfigError(
+            "hydra.sweep.dir",
+            str(folder),
+            "with resume=true, a sweep of the same command; this folder's sweep had "
+            "another: " + _listed(differences),
+            f"resume with the command it was started with ({saved_config} holds its "
+            "config and overrides) plus resume=true, or leave resume out to start a new sweep",
+        )
+
+
+class ResumeCheck(Callback):
+    """Checks the folder a `resume=true` continues in, before Hydra saves the new config
+    there; and keeps each sweep's config in its folder (the Optuna sweeper does not)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # Only the process that saves .hydra/ owns the folder (rank 0, see train.yaml).
+        if config.get("resume") and config.hydra.output_subdir is not None:
+            _refuse_on_error(check_run_folder, Path(str(config.hydra.run.dir)), config)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        folder = Path(str(config.hydra.sweep.dir))
+        if config.get("resume"):
+            _refuse_on_error(check_sweep_folder, folder, config)
+        folder.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(config, folder / SWEEP_CONFIG)
+
+
+def _refuse_on_error(check: Any, folder: Path, config: DictConfig) -> None:
+    try:
+        check(folder, config)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
