@@ -1,7 +1,9 @@
 """What the preemption check costs per training step, side by side: no check (a run not
-under SLURM: the callback is off), the blocking check (an all-reduce of the flag read at
-once, a host sync per step: `callbacks.preemption.decide_after_steps=0`) and the deferred
-one (read `decide_after_steps` steps later, the default 2).
+under SLURM: the callback is off); the check a SLURM job made before it was deferred (an
+all-reduce of the flag read at once, plus the broadcast of rank 0's SIGTERM flag that
+Lightning's loop reads before every step: two host syncs per step); the blocking check alone
+(`callbacks.preemption.decide_after_steps=0`); and the deferred one (each all-reduce read
+`decide_after_steps` steps later, the default 2; Lightning's broadcast off).
 
 Every rank runs the same small DDP training loop (an MLP on random data) in the three
 modes, alternating their order between repetitions, and times each step and the check
@@ -34,12 +36,21 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from ddp_template.preemption import FlagAgreement  # noqa: E402
 
-MODES = {"none": None, "blocking": 0, "deferred": 2}
+# The lag of each mode's all-reduce (None: no check); "before" adds Lightning's broadcast.
+MODES = {"none": None, "before": 0, "blocking": 0, "deferred": 2}
 LABELS = {
     "none": "no check (not launcher=slurm)",
+    "before": "before: blocking + Lightning's bcast",
     "blocking": "blocking (decide_after_steps=0)",
     "deferred": "deferred (decide_after_steps=2)",
 }
+
+
+def _lightnings_sigterm_broadcast(device: torch.device) -> None:
+    """What `_broadcast_sigterm_tensor` of Lightning's training loop does before a step."""
+    flag = torch.tensor([0], device=device)
+    dist.broadcast(flag, src=0)
+    flag.item()
 
 
 def parse_args() -> argparse.Namespace:
@@ -48,13 +59,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup-steps", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
     return parser.parse_args()
 
 
-def _steps(args, model, optimizer, data, agreement: FlagAgreement | None, count: int):
+def _steps(args, model, optimizer, data, agreement, broadcast: bool, count: int):
     """`count` training steps; per step, its time and the check's time (seconds)."""
     step_times, check_times = [], []
     for _ in range(count):
@@ -63,6 +74,8 @@ def _steps(args, model, optimizer, data, agreement: FlagAgreement | None, count:
         model(data).square().mean().backward()
         optimizer.step()
         checked = time.perf_counter()
+        if broadcast:
+            _lightnings_sigterm_broadcast(data.device)
         if agreement is not None:
             agreement.step(0)
         ended = time.perf_counter()
@@ -94,11 +107,12 @@ def worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     for repeat in range(args.repeats):
         order = list(MODES) if repeat % 2 == 0 else list(reversed(MODES))
         for mode in order:
-            lag = MODES[mode]
-            agreement = FlagAgreement(lag, device) if lag is not None else None
-            _steps(args, model, optimizer, data, agreement, args.warmup_steps)
-            agreement = FlagAgreement(lag, device) if lag is not None else None
-            step_times, check_times = _steps(args, model, optimizer, data, agreement, args.steps)
+            lag, broadcast = MODES[mode], mode == "before"
+            for count in (args.warmup_steps, args.steps):
+                agreement = FlagAgreement(lag, device) if lag is not None else None
+                step_times, check_times = _steps(
+                    args, model, optimizer, data, agreement, broadcast, count
+                )
             mine = torch.tensor(
                 [statistics.median(step_times), statistics.median(check_times)],
                 dtype=torch.float64,
@@ -129,7 +143,7 @@ def main() -> None:
         f"{args.ranks} {backend} rank(s), MLP {args.width}x3, batch {args.batch_size}, "
         f"{args.steps} steps per mode and repetition; per step, slowest rank's median"
     )
-    header = f"{'mode':34} {'step us':>9} {'check us':>9} {'extra us':>9} {'check ratio':>12}"
+    header = f"{'mode':38} {'step us':>9} {'check us':>9} {'extra us':>9} {'check ratio':>12}"
     medians: dict[str, tuple[float, float]] = {}
     for mode in MODES:
         mine = [r for r in rows if r[1] == mode]
@@ -151,7 +165,7 @@ def main() -> None:
         step, check = medians[mode]
         ratio = f"{check / deferred_check:.1f}x" if mode != "none" and deferred_check else "-"
         print(
-            f"{LABELS[mode]:34} {step * 1e6:9.1f} {check * 1e6:9.1f} "
+            f"{LABELS[mode]:38} {step * 1e6:9.1f} {check * 1e6:9.1f} "
             f"{(step - base_step) * 1e6:9.1f} {ratio:>12}"
         )
 

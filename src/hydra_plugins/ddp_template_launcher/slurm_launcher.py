@@ -1,6 +1,7 @@
 """`launcher=slurm`'s launcher: hydra-submitit-launcher's, with a job that ended without a
 result (preempted and not requeued, killed, out of time) reported in a few lines taken from
-its log instead of submitit's traceback."""
+its log instead of submitit's traceback. Hydra imports every module of this namespace at
+start-up, so this one stays light (submitit is imported when a sweep launches)."""
 
 from __future__ import annotations
 
@@ -8,22 +9,29 @@ import sys
 from collections.abc import Sequence
 
 from hydra.core.utils import JobReturn
-from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
-from submitit.core.utils import UncompletedJobError
+
+try:
+    from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
+except ImportError:  # without the `cluster` extra; launcher=slurm is refused (plugins.py)
+    SlurmLauncher = None
 
 # The lines of a job's log that say why it ended: this project's own messages.
 TOLD = ("Preempted (", "error:")
 
 
-class ReportingSlurmLauncher(SlurmLauncher):
-    def launch(
-        self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
-    ) -> Sequence[JobReturn]:
-        try:
-            return super().launch(job_overrides, initial_job_idx)
-        except UncompletedJobError as ended:
-            print(f"error: {ended_without_result(str(ended))}", file=sys.stderr, flush=True)
-            sys.exit(1)
+if SlurmLauncher is not None:
+
+    class ReportingSlurmLauncher(SlurmLauncher):
+        def launch(
+            self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
+        ) -> Sequence[JobReturn]:
+            from submitit.core.utils import UncompletedJobError
+
+            try:
+                return super().launch(job_overrides, initial_job_idx)
+            except UncompletedJobError as ended:
+                print(f"error: {ended_without_result(str(ended))}", file=sys.stderr, flush=True)
+                sys.exit(1)
 
 
 def ended_without_result(submitit_message: str) -> str:
