@@ -39,7 +39,7 @@ def slurm() -> None:
         ["sinfo", "--noheader", "--format=%T"], capture_output=True, text=True, timeout=30
     )
     states = out.stdout.split()
-    if out.returncode != 0 or not {"idle", "mixed", "allocated"} & set(states):
+    if out.returncode != 0 or not {"idle", "mixed", "allocated", "completing"} & set(states):
         pytest.skip(f"no SLURM scheduler with a usable node is running ({how}): {out.stderr}")
     if min(_node_cpus()) < 2:
         pytest.skip("the SLURM node has fewer than 2 CPUs, and these jobs run 2 tasks")
@@ -334,3 +334,28 @@ def test_launcher_slurm_without_multirun_is_refused(tmp_path) -> None:
     proc = train("launcher=slurm", "strategy=ddp", "devices=2", cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "-m (--multirun)" in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "outputs").exists()
+
+
+def test_a_job_that_ended_without_a_result_is_told_by_its_own_lines() -> None:
+    from hydra_plugins.ddp_template_launcher.slurm_launcher import ended_without_result
+
+    said = "Preempted (SIGUSR2): saved /j/last.ckpt at step 5 (epoch 0, batch 5); resume with: x"
+    submitit_message = "\n".join(
+        [
+            "Job 17 (task: 0) with path /j/17_0_result.pkl",
+            "has not produced any output (state: FAILED)",
+            "Error stream produced:",
+            "-" * 40,
+            "GPU available: False, used: False",
+            said,
+            "srun: error: vm: task 0: Exited with exit code 1",
+        ]
+    )
+    assert ended_without_result(submitit_message) == (
+        "Job 17 (task: 0) with path /j/17_0_result.pkl has not produced any output "
+        f"(state: FAILED); the job's log says:\n{said}"
+    )
+    # Without a line of this project's, the end of the log.
+    assert ended_without_result(submitit_message.replace(said, "")).endswith(
+        "GPU available: False, used: False\nsrun: error: vm: task 0: Exited with exit code 1"
+    )
