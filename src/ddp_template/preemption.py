@@ -20,7 +20,9 @@ callback is the one owner of both signals while the job trains:
   job in the same folder, and `train.py` resumes from `last.ckpt` (SLURM_RESTART_COUNT > 0).
 
 submitit's own handler (rank 0 requeues and exits, nothing saved) and Lightning's SIGUSR1
-requeue (`hpc_ckpt_<N>.ckpt`, saved inside the signal handler) are switched off meanwhile.
+requeue (`hpc_ckpt_<N>.ckpt`, saved inside the signal handler) are switched off meanwhile, and
+so is the broadcast of rank 0's SIGTERM flag Lightning's loop makes before every step (a host
+sync per step): that flag is set only by Lightning's SIGTERM handler, replaced here.
 
 A run started on this machine (`python train.py strategy=ddp devices=2`) stops at Ctrl-C or
 SIGTERM as PyTorch's elastic agent makes it (the workers get the signal, then SIGKILL); the
