@@ -359,3 +359,23 @@ def test_a_job_that_ended_without_a_result_is_told_by_its_own_lines() -> None:
     assert ended_without_result(submitit_message.replace(said, "")).endswith(
         "GPU available: False, used: False\nsrun: error: vm: task 0: Exited with exit code 1"
     )
+
+
+def test_a_job_sacct_cannot_tell_of_is_asked_of_slurmctld(slurm) -> None:
+    """Without accounting storage sacct knows no job: the state comes from slurmctld, and a
+    job it no longer knows has ended (the sweep would otherwise wait for it forever)."""
+    from hydra_plugins.ddp_template_launcher.slurm_launcher import slurmctld_states
+
+    job = subprocess.run(
+        ["sbatch", "--parsable", "--hold", "--wrap=true", "--output=/dev/null"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    try:
+        assert slurmctld_states({job, "999999999"}) == {
+            job: {"JobID": job, "State": "PENDING"},
+            "999999999": {"JobID": "999999999", "State": "ENDED"},
+        }
+    finally:
+        subprocess.run(["scancel", job], check=False)
