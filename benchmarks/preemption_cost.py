@@ -33,8 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from ddp_template.preemption import FlagAgreement  # noqa: E402
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 # The lag of each mode's all-reduce (None: no check); "before" adds Lightning's broadcast.
 MODES = {"none": None, "before": 0, "blocking": 0, "deferred": 2}
@@ -89,6 +88,10 @@ def _steps(args, model, optimizer, data, agreement, broadcast: bool, count: int)
 
 
 def worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
+    # Here, not at the top: the launching process has no use for Lightning's import time.
+    sys.path.insert(0, str(SRC))
+    from ddp_template.preemption import FlagAgreement
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     backend = "nccl" if args.device == "cuda" else "gloo"

@@ -214,3 +214,28 @@ def test_lightnings_per_step_sigterm_broadcast_is_off_while_the_callback_owns_si
     assert callback._trainer_loop is loop and loop._broadcast_sigterm_tensor() is None
     callback._disarm()
     assert loop._broadcast_sigterm_tensor.__func__ is type(loop)._broadcast_sigterm_tensor
+
+
+@pytest.mark.slow
+def test_the_preemption_cost_benchmark_prints_every_mode_side_by_side() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "preemption_cost.py"),
+            "--repeats=1",
+            "--warmup-steps=2",
+            "--steps=5",
+            "--width=16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = proc.stdout.strip().splitlines()[-4:]
+    labels = ["no check", "before:", "blocking", "deferred"]
+    for line, label in zip(table, labels, strict=True):
+        assert line.startswith(label), proc.stdout
+        step, check, _extra = (float(x) for x in line.split()[-4:-1])
+        assert step > 0 and check >= 0
+    assert table[-1].endswith(" 1.0x") and table[0].endswith(" -")
