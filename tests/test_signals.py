@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from conftest import CPU, FAST, ROOT, start, train
 
 LONG_DDP = [
@@ -135,3 +137,105 @@ def test_the_resume_command_names_the_running_interpreter(tmp_path: Path, monkey
             "strategy=ddp",
             f"ckpt_path={tmp_path / 'last.ckpt'}",
         ]
+
+
+def _first_stops(rank: int, port: int, results) -> None:
+    """Rank 1 alone notes a signal before step 7; for each lag, each rank records the first
+    step at which the agreement says stop."""
+    import torch.distributed as dist
+
+    from ddp_template.preemption import FlagAgreement
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    for lag in (0, 2):
+        agreement = FlagAgreement(lag, torch.device("cpu"))
+        stops = [s for s in range(12) if agreement.step(2 if rank == 1 and s >= 7 else 0)]
+        agreement.drain()
+        results.put((lag, rank, stops[0]))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step() -> None:
+    """The all-reduce started at step 7 is read `lag` steps later, on both ranks alike."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").Queue()
+    mp.start_processes(_first_stops, args=(port, results), nprocs=2, start_method="spawn")
+    assert sorted(results.get() for _ in range(4)) == [(0, 0, 7), (0, 1, 7), (2, 0, 9), (2, 1, 9)]
+
+
+def test_flag_agreement_without_a_process_group_reads_its_own_flag_later() -> None:
+    from ddp_template.preemption import FlagAgreement
+
+    agreement = FlagAgreement(2, torch.device("cpu"))
+    assert [agreement.step(flag) for flag in (0, 1, 2, 0)] == [0, 0, 0, 1]
+    assert agreement.drain() == 2 and agreement.drain() == 0
+
+
+def test_decide_after_steps_must_be_a_whole_number() -> None:
+    from ddp_template.errors import ConfigError
+    from ddp_template.preemption import PreemptionCheckpoint
+
+    with pytest.raises(ConfigError, match="decide_after_steps=-1 is not valid"):
+        PreemptionCheckpoint(decide_after_steps=-1)
+
+
+def test_a_preempted_rank_leaves_sigterm_ignored_while_it_ends() -> None:
+    """The requeue's SIGTERM may arrive while Lightning shuts down: restored, Lightning's
+    handler would broadcast to a rank already gone and the job would record a failure."""
+    from ddp_template.preemption import Preempted, PreemptionCheckpoint
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        for exception, expected in ((Preempted(143), signal.SIG_IGN), (RuntimeError(), before)):
+            callback = PreemptionCheckpoint()
+            callback._previous = {signal.SIGTERM: before}
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            callback.on_exception(None, None, exception)
+            assert signal.getsignal(signal.SIGTERM) == expected
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_lightnings_per_step_sigterm_broadcast_is_off_while_the_callback_owns_sigterm() -> None:
+    import lightning as L
+
+    from ddp_template.preemption import PreemptionCheckpoint, _skip_lightnings_sigterm_broadcast
+
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+    loop = trainer.fit_loop.epoch_loop
+    callback = PreemptionCheckpoint()
+    callback._trainer_loop = _skip_lightnings_sigterm_broadcast(trainer)
+    assert callback._trainer_loop is loop and loop._broadcast_sigterm_tensor() is None
+    callback._disarm()
+    assert loop._broadcast_sigterm_tensor.__func__ is type(loop)._broadcast_sigterm_tensor
+
+
+@pytest.mark.slow
+def test_the_preemption_cost_benchmark_prints_every_mode_side_by_side() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "preemption_cost.py"),
+            "--repeats=1",
+            "--warmup-steps=2",
+            "--steps=5",
+            "--width=16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = proc.stdout.strip().splitlines()[-4:]
+    labels = ["no check", "before:", "blocking", "deferred"]
+    for line, label in zip(table, labels, strict=True):
+        assert line.startswith(label), proc.stdout
+        step, check, _extra = (float(x) for x in line.split()[-4:-1])
+        assert step > 0 and check >= 0
+    assert table[-1].endswith(" 1.0x") and table[0].endswith(" -")

@@ -7,11 +7,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from conftest import (
@@ -46,7 +48,7 @@ def slurm() -> None:
         ["sinfo", "--noheader", "--format=%T"], capture_output=True, text=True, timeout=30
     )
     states = out.stdout.split()
-    if out.returncode != 0 or not {"idle", "mixed", "allocated"} & set(states):
+    if out.returncode != 0 or not {"idle", "mixed", "allocated", "completing"} & set(states):
         pytest.skip(f"no SLURM scheduler with a usable node is running ({how}): {out.stderr}")
     if min(_node_cpus()) < 2:
         pytest.skip("the SLURM node has fewer than 2 CPUs, and these jobs run 2 tasks")
@@ -104,43 +106,71 @@ PREEMPT_RUN = [
     "debug=watchdog",
 ]
 STEPS_PER_EPOCH = 20
-SIGNAL_AT_STEP = 30  # epoch 1, batch 10
+SIGNAL_AT_STEP = 30  # epoch 1, batch 10: the preemption signal, to rank 1 only
+TERM_AT_STEP = 45  # epoch 2, batch 5: `scontrol requeue`, SIGTERM to every rank
+
+
+def _env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def _sweep(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), "-m", "launcher=slurm", *args],
+        cwd=cwd,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _rank_pid(job_id: str, rank: int) -> int:
+    """The process of one task of a running SLURM job (srun's tasks run here)."""
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        try:
+            env = proc.environ()
+        except (psutil.AccessDenied, psutil.NoSuchProcess):
+            continue
+        if (
+            env.get("SLURM_JOB_ID") == job_id
+            and env.get("SLURM_PROCID") == str(rank)
+            and (proc.info["name"] or "").startswith("python")
+            and "submitit.core._submit" in " ".join(proc.info["cmdline"] or [])
+        ):
+            return proc.pid
+    raise AssertionError(f"no task of rank {rank} of job {job_id} found")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_preempted_job_saves_requeues_and_resumes_exactly(slurm, tmp_path: Path) -> None:
-    """`scancel --signal=USR2` (what SLURM sends before the time limit, and a preemption)
-    mid-epoch: every rank saves last.ckpt at the next step, the job requeues itself into the
-    same folder, resumes there and finishes with the weights of an uninterrupted run."""
+    """The preemption signal to ONE rank mid-epoch: both ranks save last.ckpt at the same
+    step, the job requeues itself, waits SLURM's real begin time and resumes in the same
+    folder; later the scheduler requeues it (`scontrol requeue`: SIGTERM to every rank):
+    saved again, resumed again. The job ends with the weights of an uninterrupted run and
+    the sweep process exits 0 (it polled the job through both waits)."""
     (tmp_path / "slurm").mkdir()
     (tmp_path / "plain").mkdir()
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),
-        "PYTHONUNBUFFERED": "1",
-    }
-    command = [sys.executable, str(ROOT / "train.py")]
-    queued = subprocess.Popen(
-        [command[0], command[1], "-m", "launcher=slurm", *PREEMPT_RUN],
-        cwd=tmp_path / "slurm",
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    queued = _sweep(PREEMPT_RUN, tmp_path / "slurm")
     job_id = None
     try:
         job = _wait_for_step(queued, tmp_path / "slurm", SIGNAL_AT_STEP)
         job_id = next((_sweep_folder(tmp_path / "slurm") / ".submitit").glob("[0-9]*")).name
         signalled = time.time()
-        subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
-        # A requeued job waits for its begin time (cred_expire + 1 s, 121 s by default).
+        os.kill(_rank_pid(job_id, 1), signal.SIGUSR2)
+        # The requeued job waits for its begin time (cred_expire + 1 s: 11 s here, 121 s
+        # by default) after every task exited.
         _wait_until(lambda: _job_state(job_id).get("JobState") == "PENDING", 120)
         pending = time.time()
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
         trained_again = _wait_for_training_again(job, queued)
-        # The reference, uninterrupted, while the requeued job trains.
+        _wait_for_step(queued, tmp_path / "slurm", TERM_AT_STEP)
+        subprocess.run(["scontrol", "requeue", job_id], check=True)
+        # The reference, uninterrupted, while the job waits and resumes.
         plain = train(*PREEMPT_RUN, "hydra.run.dir=run", cwd=tmp_path / "plain", timeout=500)
         output, _ = queued.communicate(timeout=500)
     finally:
@@ -149,27 +179,95 @@ def test_preempted_job_saves_requeues_and_resumes_exactly(slurm, tmp_path: Path)
         if job_id is not None:
             subprocess.run(["scancel", job_id], check=False)
     assert queued.returncode == 0, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
     assert plain.returncode == 0
     record = results(job)
-    assert record["requeues"] == 1 and record["resumed_from"] == str(
+    assert record["requeues"] == 2 and record["resumed_from"] == str(
         job / "checkpoints" / "last.ckpt"
     )
-    first, requeued = record["attempts"]
-    assert first["began"] == "fresh" and first["start_step"] == 0
-    assert requeued["began"] == "requeue" and requeued["start_step"] > 0
-    saved = re.search(
-        r"Preempted \(SIGUSR2\): saved .* at step (\d+) \(epoch 1, batch (\d+)\)", _job_logs(job)
+    logs = _job_logs(job)
+    # Rank 0 never got the signal: it names SIGUSR2 because the ranks agreed on rank 1's.
+    by_rank_1 = re.search(
+        r"Preempted \(SIGUSR2\): saved .* at step (\d+) \(epoch 1, batch (\d+)\); requeued", logs
     )
-    assert saved, _job_logs(job)[-3000:]
-    assert SIGNAL_AT_STEP <= int(saved.group(1)) < 2 * STEPS_PER_EPOCH
-    assert 0 < int(saved.group(2)) < STEPS_PER_EPOCH
+    by_scheduler = re.search(
+        r"Preempted \(SIGTERM\): saved .* at step (\d+) \(epoch 2, batch (\d+)\)", logs
+    )
+    assert by_rank_1 and by_scheduler, logs[-3000:]
+    first_save, second_save = int(by_rank_1.group(1)), int(by_scheduler.group(1))
+    assert SIGNAL_AT_STEP <= first_save < 2 * STEPS_PER_EPOCH
+    assert 0 < int(by_rank_1.group(2)) < STEPS_PER_EPOCH
+    assert TERM_AT_STEP <= second_save < 3 * STEPS_PER_EPOCH
+    first, second, third = record["attempts"]
+    assert first["began"] == "fresh" and first["start_step"] == 0
+    assert second["began"] == "requeue" and second["start_step"] == first_save
+    assert third["began"] == "requeue" and third["start_step"] == second_save
     assert record["global_step"] == 3 * STEPS_PER_EPOCH
     mine = torch.load(job / "model.pt", weights_only=True)
     reference = torch.load(tmp_path / "plain" / "run" / "model.pt", weights_only=True)
     print(
         f"signal -> pending {pending - signalled:.1f} s; signal -> training again "
-        f"{trained_again - signalled:.1f} s (without the begin-time wait)"
+        f"{trained_again - signalled:.1f} s (with the begin-time wait)"
     )
+    assert mine.keys() == reference.keys()
+    assert all(torch.equal(mine[k], reference[k]) for k in mine)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_job_that_cannot_requeue_ends_with_the_command_that_resumes_it(
+    slurm, tmp_path: Path
+) -> None:
+    """A job submitted without requeue (`sbatch --no-requeue`): at the preemption signal it
+    saves, `scontrol requeue` is refused, and the sweep ends non-zero with the checkpoint
+    and the command that resumes from it, without a traceback; that command, run, finishes
+    the job with the weights of an uninterrupted run."""
+    run = [*PREEMPT_RUN, "trainer.max_epochs=2"]
+    (tmp_path / "slurm").mkdir()
+    (tmp_path / "plain").mkdir()
+    queued = _sweep(
+        [*run, "+hydra.launcher.additional_parameters.no_requeue=true"], tmp_path / "slurm"
+    )
+    job_id = None
+    try:
+        job = _wait_for_step(queued, tmp_path / "slurm", 5)
+        job_id = next((_sweep_folder(tmp_path / "slurm") / ".submitit").glob("[0-9]*")).name
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+        plain = subprocess.Popen(
+            [sys.executable, str(ROOT / "train.py"), *run, "hydra.run.dir=run"],
+            cwd=tmp_path / "plain",
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        output, _ = queued.communicate(timeout=300)
+    finally:
+        if queued.poll() is None:
+            queued.kill()
+        if job_id is not None:
+            subprocess.run(["scancel", job_id], check=False)
+    last = job / "checkpoints" / "last.ckpt"
+    assert queued.returncode != 0, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    (line,) = [x for x in output.splitlines() if "resume with: " in x]
+    assert f"saved {last} at step" in line and "requeueing SLURM job" in line, line
+    assert _job_state(job_id).get("JobState") == "FAILED"
+    command = line.split("resume with: ", 1)[1]
+    assert command.endswith(f"ckpt_path={last}") and " -m " in command
+    resumed = subprocess.run(
+        ["bash", "-c", command], env=_env(), capture_output=True, text=True, timeout=500
+    )
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert plain.wait(timeout=500) == 0, plain.stderr.read()[-3000:]
+    (finished,) = [p for p in (tmp_path / "slurm" / "multirun").glob("*/*/0") if p != job]
+    record = results(finished)
+    first, again = record["attempts"]
+    assert first["began"] == "fresh" and first["start_step"] == 0
+    assert again["began"] == "ckpt_path" and again["start_step"] >= 5
+    assert record["global_step"] == 2 * STEPS_PER_EPOCH
+    mine = torch.load(finished / "model.pt", weights_only=True)
+    reference = torch.load(tmp_path / "plain" / "run" / "model.pt", weights_only=True)
     assert mine.keys() == reference.keys()
     assert all(torch.equal(mine[k], reference[k]) for k in mine)
 
@@ -264,3 +362,48 @@ def test_launcher_slurm_without_multirun_is_refused(tmp_path) -> None:
     proc = train("launcher=slurm", "strategy=ddp", "devices=2", cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "-m (--multirun)" in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "outputs").exists()
+
+
+def test_a_job_that_ended_without_a_result_is_told_by_its_own_lines() -> None:
+    from hydra_plugins.ddp_template_launcher.slurm_launcher import ended_without_result
+
+    said = "Preempted (SIGUSR2): saved /j/last.ckpt at step 5 (epoch 0, batch 5); resume with: x"
+    submitit_message = "\n".join(
+        [
+            "Job 17 (task: 0) with path /j/17_0_result.pkl",
+            "has not produced any output (state: FAILED)",
+            "Error stream produced:",
+            "-" * 40,
+            "GPU available: False, used: False",
+            said,
+            "srun: error: vm: task 0: Exited with exit code 1",
+        ]
+    )
+    assert ended_without_result(submitit_message) == (
+        "Job 17 (task: 0) with path /j/17_0_result.pkl has not produced any output "
+        f"(state: FAILED); the job's log says:\n{said}"
+    )
+    # Without a line of this project's, the end of the log.
+    assert ended_without_result(submitit_message.replace(said, "")).endswith(
+        "GPU available: False, used: False\nsrun: error: vm: task 0: Exited with exit code 1"
+    )
+
+
+def test_a_job_sacct_cannot_tell_of_is_asked_of_slurmctld(slurm) -> None:
+    """Without accounting storage sacct knows no job: the state comes from slurmctld, and a
+    job it no longer knows has ended (the sweep would otherwise wait for it forever)."""
+    from hydra_plugins.ddp_template_launcher.slurm_launcher import slurmctld_states
+
+    job = subprocess.run(
+        ["sbatch", "--parsable", "--hold", "--wrap=true", "--output=/dev/null"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    try:
+        assert slurmctld_states({job, "999999999"}) == {
+            job: {"JobID": job, "State": "PENDING"},
+            "999999999": {"JobID": "999999999", "State": "ENDED"},
+        }
+    finally:
+        subprocess.run(["scancel", job], check=False)

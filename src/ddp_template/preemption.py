@@ -8,15 +8,21 @@ callback is the one owner of both signals while the job trains:
 
 - the handler only notes the signal (a handler runs between two Python bytecodes of the
   main thread, maybe in the middle of a backward pass: no collective may start there);
-- at the next step boundary the ranks agree whether any of them got one (one all-reduce of
-  a flag per step), and all of them call `trainer.save_checkpoint(<job>/checkpoints/last.ckpt)`:
-  a mid-epoch checkpoint holding every step done so far;
+- the ranks agree whether any of them got one without stopping the host: at every optimizer
+  step each rank starts a non-blocking all-reduce (max) of its flag and reads the one it
+  started `decide_after_steps` steps earlier, long since complete (`FlagAgreement`). Every
+  rank reads the same result at the same step, so all of them stop together and call
+  `trainer.save_checkpoint(<job>/checkpoints/last.ckpt)`: a mid-epoch checkpoint holding
+  every step done so far. `decide_after_steps=0` reads each result at once, a host sync per
+  step (on a GPU the host then waits for the device to drain its queue);
 - for the preemption signal, rank 0 requeues the job (`scontrol requeue`); on SIGTERM the
   scheduler has already decided. Every rank then exits. The requeued job runs the same Hydra
   job in the same folder, and `train.py` resumes from `last.ckpt` (SLURM_RESTART_COUNT > 0).
 
 submitit's own handler (rank 0 requeues and exits, nothing saved) and Lightning's SIGUSR1
-requeue (`hpc_ckpt_<N>.ckpt`, saved inside the signal handler) are switched off meanwhile.
+requeue (`hpc_ckpt_<N>.ckpt`, saved inside the signal handler) are switched off meanwhile, and
+so is the broadcast of rank 0's SIGTERM flag Lightning's loop makes before every step (a host
+sync per step): that flag is set only by Lightning's SIGTERM handler, replaced here.
 
 A run started on this machine (`python train.py strategy=ddp devices=2`) stops at Ctrl-C or
 SIGTERM as PyTorch's elastic agent makes it (the workers get the signal, then SIGKILL); the
@@ -32,6 +38,7 @@ import shlex
 import signal
 import subprocess
 import sys
+from collections import deque
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, cast
@@ -61,12 +68,16 @@ class PreemptionCheckpoint(L.Callback):
     """In a SLURM job: saves, requeues and exits at the preemption signal or SIGTERM. In a
     worker of an elastic agent: ends the process at once at Ctrl-C or SIGTERM."""
 
-    def __init__(self, signal: str = "USR2", requeue: bool = True) -> None:
+    def __init__(
+        self, signal: str = "USR2", requeue: bool = True, decide_after_steps: int = 2
+    ) -> None:
         self.signal = _signal_named(signal)
         self.requeue = requeue
+        self.decide_after_steps = _steps_named(decide_after_steps)
+        self._agreement: FlagAgreement | None = None
+        self._trainer_loop: Any = None
         self._received: int | None = None
         self._previous: dict[int, Any] = {}
-        self._preemptible = False
         self._trainer: L.Trainer | None = None
 
     @staticmethod
@@ -85,11 +96,13 @@ class PreemptionCheckpoint(L.Callback):
         if self.active():
             for signum in (self.signal, signal.SIGTERM):
                 self._previous[signum] = signal.signal(signum, self._note)
-            self._preemptible = True
+            self._agreement = FlagAgreement(self.decide_after_steps, trainer.strategy.root_device)
         elif "TORCHELASTIC_RUN_ID" in os.environ and trainer.world_size > 1:
             self._trainer = trainer
             for signum in (signal.SIGINT, signal.SIGTERM):
                 self._previous[signum] = signal.signal(signum, self._exit_now)
+        if signal.SIGTERM in self._previous:
+            self._trainer_loop = _skip_lightnings_sigterm_broadcast(trainer)
 
     def _exit_now(self, signum: int, frame: FrameType | None) -> None:
         """A worker of an elastic agent (this launcher's, or torchrun's) at Ctrl-C or
@@ -109,24 +122,39 @@ class PreemptionCheckpoint(L.Callback):
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
-        self._preemptible = False
+        if self._trainer_loop is not None:
+            vars(self._trainer_loop).pop("_broadcast_sigterm_tensor", None)
+            self._trainer_loop = None
         self._trainer = None
+        self._agreement = None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Every rank started as many all-reduces: waiting for the last ones cannot hang, and
+        # none is left in flight when the process group goes.
+        if self._agreement is not None:
+            self._agreement.drain()
         self._disarm()
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception) -> None:
+        # A peer may be gone: pending all-reduces are dropped, not waited for.
+        if isinstance(exception, Preempted):
+            # The process is ending and the requeue's SIGTERM is on its way: it stays
+            # ignored. Restored, Lightning's handler would broadcast inside the handler, to a
+            # rank already gone (gloo: "Connection closed by peer"), and this rank would
+            # record that error as the job's result, which the sweep reads as a failure.
+            self._previous = {}
         self._disarm()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if not self._preemptible or (batch_idx + 1) % trainer.accumulate_grad_batches:
+        if self._agreement is None or (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
         # 2: some rank got the preemption signal, 1: only SIGTERM, 0: nothing.
         levels: dict[int | None, int] = {None: 0, signal.SIGTERM: 1}
-        mine = levels.get(self._received, 2)
-        agreed = _max_over_ranks(trainer, mine)
+        agreed = self._agreement.step(levels.get(self._received, 2))
         if agreed == 0:
             return
+        # Nothing left in flight while the ranks save and exit.
+        agreed = max(agreed, self._agreement.drain())
         self._received = self.signal if agreed == 2 else signal.SIGTERM
         # The job is ending: a SIGTERM from now on (scontrol requeue sends one) must not
         # interrupt the save.
@@ -141,7 +169,7 @@ class PreemptionCheckpoint(L.Callback):
         exit_code = PREEMPTED_EXIT_CODE
         if trainer.is_global_zero:
             if self.requeue and self._received == self.signal:
-                requeued, outcome = requeue_job()
+                requeued, outcome = requeue_job(path)
                 message += f"; {outcome}"
                 exit_code = PREEMPTED_EXIT_CODE if requeued else 1
             else:
@@ -149,6 +177,20 @@ class PreemptionCheckpoint(L.Callback):
             print(message, file=sys.stderr, flush=True)
         trainer.strategy.barrier("preemption")
         raise Preempted(exit_code)
+
+
+def _skip_lightnings_sigterm_broadcast(trainer: L.Trainer) -> Any:
+    """Lightning's training loop broadcasts rank 0's SIGTERM flag and reads it (`.item()`)
+    before every step of a run of several ranks: a host sync per step. Its flag is set only
+    by Lightning's SIGTERM handler, which this callback replaces while it owns SIGTERM, so
+    the broadcast would only ever carry a 0. Returns the loop it was switched off in."""
+    loop = trainer.fit_loop.epoch_loop
+    if getattr(trainer, "received_sigterm", False) or not hasattr(
+        loop, "_broadcast_sigterm_tensor"
+    ):
+        return None
+    loop._broadcast_sigterm_tensor = lambda: None
+    return loop
 
 
 def checkpoint_path(trainer: L.Trainer) -> Path:
@@ -159,15 +201,77 @@ def checkpoint_path(trainer: L.Trainer) -> Path:
     return (folder or Path(trainer.default_root_dir) / "checkpoints") / "last.ckpt"
 
 
-def _max_over_ranks(trainer: L.Trainer, value: int) -> int:
-    tensor = torch.tensor(value, device=trainer.strategy.root_device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return int(tensor.item())
+class _Reduction:
+    """One all-reduce (max) in flight, and how to read its result without draining the
+    device's queue: on a GPU a copy into pinned host memory behind it, and an event."""
+
+    def __init__(self, value: int, device: torch.device) -> None:
+        # torch.full, not torch.tensor: a copy from pageable host memory would sync the host.
+        self.tensor = torch.full((1,), value, dtype=torch.int32, device=device)
+        self.work = dist.all_reduce(self.tensor, op=dist.ReduceOp.MAX, async_op=True)
+        self.event: torch.cuda.Event | None = None
+        if device.type == "cuda":
+            self.work.wait()  # the current stream waits for the collective; the host does not
+            self.host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+            self.host.copy_(self.tensor, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def result(self) -> int:
+        if self.event is not None:
+            self.event.synchronize()  # long since reached: the queue behind it is not waited for
+            return int(self.host[0])
+        self.work.wait()
+        return int(self.tensor[0])
 
 
-def requeue_job() -> tuple[bool, str]:
-    """`scontrol requeue` of this job (an array task by its own id): done, and what happened."""
+class FlagAgreement:
+    """The largest of every rank's flag, decided together without a host sync per step.
+
+    `step(flag)` at every optimizer step starts a non-blocking all-reduce of this rank's
+    flag and returns the result of the one started `lag` steps earlier (0 until there is
+    one). Every rank calls it at the same steps, so every rank reads the same result at the
+    same step: the decision is collective and deterministic. A lag of 0 reads at once."""
+
+    def __init__(self, lag: int, device: torch.device) -> None:
+        self.lag = lag
+        self.device = device
+        self._pending: deque[_Reduction | int] = deque()
+
+    def step(self, flag: int) -> int:
+        distributed = dist.is_available() and dist.is_initialized()
+        self._pending.append(_Reduction(flag, self.device) if distributed else flag)
+        if len(self._pending) <= self.lag:
+            return 0
+        return _read(self._pending.popleft())
+
+    def drain(self) -> int:
+        """Waits for every all-reduce in flight; the largest of their results."""
+        results = [_read(pending) for pending in self._pending]
+        self._pending.clear()
+        return max(results, default=0)
+
+
+def _read(pending: _Reduction | int) -> int:
+    return pending if isinstance(pending, int) else pending.result()
+
+
+def _steps_named(value: object) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    from ddp_template.errors import ConfigError
+
+    raise ConfigError(
+        "callbacks.preemption.decide_after_steps",
+        value,
+        "a whole number of steps >= 0 (0: every rank waits for the others at every step)",
+        "callbacks.preemption.decide_after_steps=2",
+    )
+
+
+def requeue_job(path: Path) -> tuple[bool, str]:
+    """`scontrol requeue` of this job (an array task by its own id): done, and what happened
+    (on failure, the command that resumes from `path`)."""
     array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
     job = (
         f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}"
@@ -177,10 +281,28 @@ def requeue_job() -> tuple[bool, str]:
     done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
     if done.returncode == 0:
         return True, f"requeued SLURM job {job}; it resumes from this checkpoint"
-    return False, (
-        f"requeueing SLURM job {job} failed ({done.stderr.strip()}); resume by hand with "
-        f"ckpt_path=<that file>"
-    )
+    why = " ".join(done.stderr.split()) or f"exit code {done.returncode}"
+    return False, f"requeueing SLURM job {job} failed ({why}); resume with: {resume_command(path)}"
+
+
+def resume_command(checkpoint: Path) -> str:
+    """The sweep command of this Hydra job again, from `checkpoint`: in a SLURM job
+    `sys.argv` is submitit's, so the command is rebuilt from Hydra's record of the launch
+    (its folder, the job's overrides) and the project's `train.py`."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from ddp_template.train import CONFIG_DIR
+
+    hydra = HydraConfig.get()
+    folder = Path(hydra.runtime.cwd)
+    script = Path(CONFIG_DIR).parent / "train.py"
+    with contextlib.suppress(ValueError):
+        script = script.relative_to(folder)
+    # A new sweep folder: the resumed run must not write over this one's jobs.
+    dropped = ("ckpt_path", "hydra.sweep.dir", "hydra.sweep.subdir", "hydra.run.dir")
+    kept = [o for o in hydra.overrides.task if o.lstrip("+~").split("=")[0] not in dropped]
+    words = [interpreter_in(folder), str(script), "-m", *kept, f"ckpt_path={checkpoint}"]
+    return f"cd {shlex.quote(str(folder))} && {shlex.join(words)}"
 
 
 def _signal_named(name: str) -> signal.Signals:
