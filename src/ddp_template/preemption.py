@@ -189,7 +189,7 @@ def _skip_lightnings_sigterm_broadcast(trainer: L.Trainer) -> Any:
         loop, "_broadcast_sigterm_tensor"
     ):
         return None
-    loop._broadcast_sigterm_tensor = lambda: None
+    loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]
     return loop
 
 

@@ -135,8 +135,8 @@ def check_run_folder(folder: Path, cfg: DictConfig) -> None:
             "give the run's own folder (outputs/<date>/<time>_<pid>), or leave resume out "
             "to start a new run",
         )
-    task_cfg = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
-    differences = config_differences(OmegaConf.load(saved_config), task_cfg)
+    task_cfg = OmegaConf.masked_copy(cfg, [str(key) for key in cfg if key != "hydra"])
+    differences = config_differences(_load_mapping(saved_config), task_cfg)
     if differences:
         raise ConfigError(
             "hydra.run.dir",
@@ -175,7 +175,7 @@ def check_sweep_folder(folder: Path, cfg: DictConfig) -> None:
             "give the sweep's own folder (multirun/<date>/<time>_<pid>), or leave resume "
             "out to start a new sweep",
         )
-    differences = sweep_differences(OmegaConf.load(saved_config), cfg)
+    differences = sweep_differences(_load_mapping(saved_config), cfg)
     if differences:
         raise ConfigError(
             "hydra.sweep.dir",
@@ -210,3 +210,10 @@ def _refuse_on_error(check: Any, folder: Path, config: DictConfig) -> None:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+
+
+def _load_mapping(path: Path) -> DictConfig:
+    """A saved config (Hydra writes mappings only)."""
+    loaded = OmegaConf.load(path)
+    assert isinstance(loaded, DictConfig), path
+    return loaded
