@@ -189,7 +189,7 @@ def check_sweep_folder(folder: Path, cfg: DictConfig) -> None:
 
 class ResumeCheck(Callback):
     """Checks the folder a `resume=true` continues in, before Hydra saves the new config
-    there; and keeps each sweep's config in its folder (the Optuna sweeper does not)."""
+    there."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         # Only the process that saves .hydra/ owns the folder (rank 0, see train.yaml).
@@ -197,11 +197,10 @@ class ResumeCheck(Callback):
             _refuse_on_error(check_run_folder, Path(str(config.hydra.run.dir)), config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        folder = Path(str(config.hydra.sweep.dir))
+        # Before the sweeper saves the new sweep's config over the old (both sweepers of the
+        # project save it: Hydra's basic one, and ResumableOptunaSweeper).
         if config.get("resume"):
-            _refuse_on_error(check_sweep_folder, folder, config)
-        folder.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(config, folder / SWEEP_CONFIG)
+            _refuse_on_error(check_sweep_folder, Path(str(config.hydra.sweep.dir)), config)
 
 
 def _refuse_on_error(check: Any, folder: Path, config: DictConfig) -> None:

@@ -6,11 +6,12 @@ loads hydra-optuna-sweeper only when it is used)."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 
 class ResumableOptunaSweeper(Sweeper):
@@ -35,6 +36,11 @@ class ResumableOptunaSweeper(Sweeper):
         from ddp_template.optuna_resume import continue_study, study_storage
 
         assert self.config is not None
+        # The sweep's config in its folder, as Hydra's basic sweeper saves it (Optuna's does
+        # not): `resume=true` compares against it.
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         self.optuna.sweeper.storage = study_storage(self.optuna.sweeper.storage)
         if self.config.get("resume"):
             continue_study(self.optuna.sweeper, arguments)
