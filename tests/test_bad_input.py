@@ -143,7 +143,12 @@ MISTAKES = {
     "misspelt model key": (
         ["+task.module.model.widht=32"],
         "task.module.model.widht",
-        "its keys: arch, channels_last, dropout, norm, small_input",
+        "build_resnet, and widht is none (its keys: arch, channels_last, dropout,",
+    ),
+    "held-out fractions leaving no training images": (
+        ["data.val_fraction=0.5", "data.test_fraction=0.6"],
+        "data.test_fraction",
+        "with data.val_fraction=0.5, a sum below 1",
     ),
     "misspelt optimizer key": (
         ["+task.module.optimizer.lrr=0.1"],
