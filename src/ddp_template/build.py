@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 from hydra.errors import InstantiationException
@@ -36,8 +36,7 @@ def build_task(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModul
         # with torch.load(weights_only=True). The network's node reaches the module as it
         # is (the module builds it with `module.build_model`): a built network in the
         # hyper-parameters would not load.
-        options = OmegaConf.to_container(cfg.task.module, resolve=True)
-        assert isinstance(options, dict)
+        options = cast(dict, OmegaConf.to_container(cfg.task.module, resolve=True))
         model = {"model": options.pop("model")} if "model" in options else {}
         module_factory = instantiate(options, **datamodule.sizes(), _partial_=True, _convert_="all")
         module = module_factory(**model)

@@ -59,8 +59,9 @@ class ShardedDataModule(L.LightningDataModule):
     def __init__(
         self,
         name: str,
-        source: str,
         batch_size: int,
+        # None only where conf/data/<name>.yaml forgot it: refused with the fix.
+        source: str | None = None,
         num_workers: int = 0,
         pin_memory: bool = False,
         drop_last: bool = False,
@@ -89,7 +90,15 @@ class ShardedDataModule(L.LightningDataModule):
         override it (with a property, or a plain class attribute)."""
         return False
 
-    def _build_source(self, name: str, source: str, options: dict[str, Any]) -> Any:
+    def _build_source(self, name: str, source: str | None, options: dict[str, Any]) -> Any:
+        if source is None:
+            raise ConfigError(
+                "data.source",
+                None,
+                f"the name of the class that reads data={name}, a class of the task's "
+                f"{self.source_module.__name__} (conf/data/{name}.yaml names none)",
+                f"add `source: <the class>` to conf/data/{name}.yaml (docs/data.md)",
+            )
         source_class = getattr(self.source_module, source, None)
         if not (isinstance(source_class, type) and hasattr(source_class, "splits")):
             module = self.source_module.__name__
@@ -200,31 +209,16 @@ class ShardedDataModule(L.LightningDataModule):
         return self.trainer.lightning_module if self.trainer is not None else None
 
 
-def source_classes(module: types.ModuleType) -> list[str]:
-    """The classes defined in a task's sources module that can be sources (have `splits`)."""
-    return sorted(
-        name
-        for name, value in vars(module).items()
-        if isinstance(value, type)
-        and value.__module__ == module.__name__
-        and hasattr(value, "splits")
-    )
-
-
-def data_config_dir() -> Path:
-    """conf/data/ of the project: one file per data set."""
+def data_sets_of(module: types.ModuleType) -> list[str]:
+    """The `data=` names whose conf/data/<name>.yaml names a class of `module` (a task's
+    sources module) as its `source`."""
     from ddp_template.train import CONFIG_DIR
 
-    return Path(CONFIG_DIR) / "data"
-
-
-def data_sets_of(module: types.ModuleType) -> list[str]:
-    """The `data=` names whose conf/data/<name>.yaml names a source class of `module`."""
-    names = set(source_classes(module))
+    classes = {name for name, value in vars(module).items() if isinstance(value, type)}
     return sorted(
         path.stem
-        for path in sorted(data_config_dir().glob("*.yaml"))
-        if OmegaConf.load(path).get("source") in names
+        for path in sorted((Path(CONFIG_DIR) / "data").glob("*.yaml"))
+        if OmegaConf.load(path).get("source") in classes
     )
 
 
