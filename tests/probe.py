@@ -44,6 +44,18 @@ class Probe(L.Callback):
         out.write_text(json.dumps(self.record))
 
 
+class BatchIndependent(L.Callback):
+    """Keeps batch norm and dropout layers in eval mode while training: each sample's loss
+    then depends on that sample alone, so 2 ranks of B samples and 1 process of 2B compute
+    the same averaged gradient, whatever network a task has (Lightning sets train mode at
+    every epoch and after validation; this runs before every step)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        for layer in pl_module.modules():
+            if isinstance(layer, (torch.nn.modules.batchnorm._BatchNorm, torch.nn.Dropout)):
+                layer.eval()
+
+
 class FailOnRank(L.Callback):
     """Raises on one rank in the middle of training: a worker's own error."""
 

@@ -93,6 +93,19 @@ def test_unknown_strategy_lists_the_options(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
+def test_unknown_data_set_says_where_data_sets_come_from() -> None:
+    """`data=shapes` before conf/data/shapes.yaml exists: the files there, and how to add one."""
+    from ddp_template.plugins import check_override_keys
+    from ddp_template.train import CONFIG_DIR
+
+    with pytest.raises(ConfigError) as err:
+        check_override_keys(["data=shapes"], CONFIG_DIR, "train")
+    assert err.value.key == "data" and err.value.value == "shapes"
+    message = str(err.value)
+    assert "a file in conf/data/" in message and "digits, imagefolder" in message
+    assert "add conf/data/shapes.yaml whose `source` names the class" in message
+
+
 # Mistakes a new user makes, each refused in-process by the launching process's check (no
 # worker started): the key named, what is allowed, and the fix.
 MISTAKES = {
@@ -145,7 +158,17 @@ MISTAKES = {
     "misspelt model key": (
         ["+task.module.model.widht=32"],
         "task.module.model.widht",
-        "its keys: arch, channels_last, dropout, norm, small_input",
+        "build_resnet, and widht is none (its keys: arch, channels_last, dropout,",
+    ),
+    "held-out fractions leaving no training images": (
+        ["data.val_fraction=0.5", "data.test_fraction=0.6"],
+        "data.test_fraction",
+        "with data.val_fraction=0.5, a sum below 1",
+    ),
+    "a data set file without its source class": (
+        ["~data.source"],
+        "data.source",
+        "add `source: <the class>` to conf/data/digits.yaml",
     ),
     "misspelt optimizer key": (
         ["+task.module.optimizer.lrr=0.1"],

@@ -8,7 +8,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 from conftest import compose_train
-from omegaconf import OmegaConf, open_dict
+from omegaconf import OmegaConf
 
 from ddp_template import resolvers
 from ddp_template.checks import TRAINER_ARGS_ELSEWHERE, check_config
@@ -120,8 +120,8 @@ def test_empty_image_folder_is_refused(tmp_path: Path) -> None:
 
 
 def test_data_set_of_another_task_is_refused() -> None:
-    cfg = compose_train()
-    with open_dict(cfg):
-        cfg.data.name = "wine"
-    with pytest.raises(ConfigError, match="task=image_classification"):
-        check_config(cfg)
+    """A task reads the data sets whose source class its sources.py has, and names them."""
+    with pytest.raises(ConfigError) as err:
+        check_config(compose_train("task=regression", "data=digits"))
+    assert err.value.key == "data" and err.value.value == "digits"
+    assert "`source: Digits`" in str(err.value) and "its classes: diabetes." in str(err.value)

@@ -69,9 +69,9 @@ def test_default_source_is_image_classification(root: Path) -> None:
         "ddp_template.tasks.speech_tagging.datamodule.SpeechTaggingDataModule"
     )
     assert task.module._target_ == "ddp_template.tasks.speech_tagging.module.SpeechTaggingModule"
+    assert task.module.model._target_ == "ddp_template.tasks.speech_tagging.model.build_resnet"
     module = (root / package / "module.py").read_text()
     assert "class SpeechTaggingModule(TaskModule):" in module
-    assert "from ddp_template.tasks.speech_tagging.model import" in module
 
 
 @pytest.mark.parametrize("source", BUILT_IN)
@@ -269,3 +269,18 @@ def test_the_printed_commands_run_in_the_readme_set_up(
     test = f"{python} -m pytest tests/test_task_churn.py"
     expected = test if pytest_installed else f"bash scripts/setup.sh dev && {test}"
     assert f"Test it:   {expected}" in lines
+
+
+@pytest.mark.parametrize("task", BUILT_IN)
+def test_a_task_folder_depends_on_no_other_task(task: str) -> None:
+    """`new_task --from TASK` gives a copy that works on its own: no file of the task's
+    folder, config or test names another task's package."""
+    others = [f"ddp_template.tasks.{other}" for other in BUILT_IN if other != task]
+    files = [
+        *(ROOT / TASKS_DIR / task).rglob("*.py"),
+        ROOT / CONFIG_DIR / f"{task}.yaml",
+        ROOT / "tests" / f"test_task_{task}.py",
+    ]
+    for path in files:
+        text = path.read_text()
+        assert not [other for other in others if other in text], path

@@ -184,9 +184,10 @@ def test_channels_last_model_and_inputs() -> None:
     from ddp_template.tasks.image_classification.module import ImageClassificationModule
 
     torch.manual_seed(0)
-    plain = ImageClassificationModule({"arch": "resnet18", "small_input": True}, 10, 3)
+    resnet = {"_target_": "ddp_template.tasks.image_classification.model.build_resnet"}
+    plain = ImageClassificationModule({**resnet, "arch": "resnet18", "small_input": True}, 10, 3)
     fast = ImageClassificationModule(
-        {"arch": "resnet18", "small_input": True, "channels_last": True}, 10, 3
+        {**resnet, "arch": "resnet18", "small_input": True, "channels_last": True}, 10, 3
     )
     fast.load_state_dict(plain.state_dict())
     conv = fast.model.conv1.weight

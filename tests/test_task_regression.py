@@ -17,7 +17,7 @@ TASK = "task=regression"
 
 
 def test_splits_are_standardised_with_training_rows_only() -> None:
-    datamodule = RegressionDataModule(name="diabetes", batch_size=16)
+    datamodule = RegressionDataModule(name="diabetes", source="Diabetes", batch_size=16)
     datamodule.setup("fit")
     train_x, train_y = datamodule.train_set.tensors
     test_x, _ = datamodule.test_set.tensors
@@ -75,7 +75,7 @@ def test_ddp_run_keeps_the_checkpoint_of_lowest_validation_error(
     # The kept weights themselves have that error on the validation rows (evaluation shards
     # are unpadded, so the two ranks' mean equals one process's).
     module = RegressionModule.load_from_checkpoint(best, weights_only=True, map_location="cpu")
-    datamodule = RegressionDataModule(name="diabetes", batch_size=32)
+    datamodule = RegressionDataModule(name="diabetes", source="Diabetes", batch_size=32)
     datamodule.setup("fit")
     assert mean_squared_error(module, datamodule.val_set) == pytest.approx(
         errors[best_epoch], rel=1e-4

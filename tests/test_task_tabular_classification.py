@@ -20,12 +20,13 @@ QUIET = ["trainer.enable_model_summary=false", "logger=none"]
 
 
 @pytest.mark.parametrize(
-    "name,rows,features,classes", [("breast_cancer", 569, 30, 2), ("wine", 178, 13, 3)]
+    "name,source,rows,features,classes",
+    [("breast_cancer", "BreastCancer", 569, 30, 2), ("wine", "Wine", 178, 13, 3)],
 )
 def test_splits_are_standardised_with_training_rows_only(
-    name: str, rows: int, features: int, classes: int
+    name: str, source: str, rows: int, features: int, classes: int
 ) -> None:
-    datamodule = TabularClassificationDataModule(name=name, batch_size=16)
+    datamodule = TabularClassificationDataModule(name=name, source=source, batch_size=16)
     datamodule.setup("fit")
     train_x, train_y = datamodule.train_set.tensors
     test_x, _ = datamodule.test_set.tensors

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 from hydra.errors import InstantiationException
@@ -33,8 +33,13 @@ def build_task(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModul
     try:
         datamodule = instantiate(cfg.task.datamodule, **cfg.data, seed=cfg.seed)
         # Plain containers (not DictConfig) in hyper-parameters keep checkpoints loadable
-        # with torch.load(weights_only=True).
-        module = instantiate(cfg.task.module, **datamodule.sizes(), _convert_="all")
+        # with torch.load(weights_only=True). The network's node reaches the module as it
+        # is (the module builds it with `module.build_model`): a built network in the
+        # hyper-parameters would not load.
+        options = cast(dict, OmegaConf.to_container(cfg.task.module, resolve=True))
+        model = {"model": options.pop("model")} if "model" in options else {}
+        module_factory = instantiate(options, **datamodule.sizes(), _partial_=True, _convert_="all")
+        module = module_factory(**model)
     except InstantiationException as err:
         if isinstance(err.__cause__, ConfigError):
             raise err.__cause__ from None

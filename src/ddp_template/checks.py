@@ -40,7 +40,6 @@ def check_config(cfg: DictConfig) -> None:
     _check_launch(cfg)
     _check_devices_support(cfg)
     _check_distributed_debug(cfg)
-    _check_task_data(cfg)
     _check_prefetch(cfg.data)
     check_trackers(cfg)
     check_compile(cfg)
@@ -206,17 +205,6 @@ def _check_distributed_debug(cfg: DictConfig) -> None:
             "INFO or OFF with gloo (CPU): DETAIL crashed DDP's construction on gloo in torch "
             "2.14.1 (pytorch #148976)",
             "debug.distributed_debug=INFO here; DETAIL on GPUs with nccl",
-        )
-
-
-def _check_task_data(cfg: DictConfig) -> None:
-    data_name = cfg.data.get("name")
-    if data_name not in cfg.task.datasets:
-        raise ConfigError(
-            "data",
-            data_name,
-            f"a data set of task={cfg.task.name}: {', '.join(cfg.task.datasets)}",
-            f"pick one of those, or a task that reads {data_name}",
         )
 
 

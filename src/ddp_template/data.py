@@ -1,5 +1,6 @@
 """The DataModule base every task builds on: it owns the samplers and DataLoader settings,
-picks the task's data source by its `data=` name, and holds the splitting helpers tasks share.
+builds the data source that `conf/data/<name>.yaml` names, and holds the splitting helpers
+tasks share.
 
 Training shards come from a seeded `DistributedSampler` (Lightning calls `set_epoch` on it
 each epoch, so the order changes between epochs and ranks never overlap). Its last shard is
@@ -19,8 +20,10 @@ from __future__ import annotations
 
 import math
 import random
+import types
 import warnings
 from collections.abc import Iterator, Sized
+from pathlib import Path
 from typing import Any, ClassVar, cast
 
 import lightning as L
@@ -28,6 +31,7 @@ import numpy as np
 import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ddp_template.errors import ConfigError
@@ -37,20 +41,27 @@ Splits = tuple[Dataset, Dataset, Dataset]
 
 
 class ShardedDataModule(L.LightningDataModule):
-    """Subclasses name their data sets in `sources` (`data=` name -> a source class whose
-    `splits()` returns train, validation and test sets) and say in `sizes()` what their
-    module needs to know of the data; `setup()` fills the three splits.
+    """Subclasses name their task's sources module in `source_module` and say in `sizes()`
+    what their module needs to know of the data; `setup()` fills the three splits.
+
+    A data set is one file, `conf/data/<name>.yaml`: its `source` names a class of the task's
+    sources module (whose `splits()` returns train, validation and test sets), and its other
+    keys, loader settings aside, are that class's options. A task reads every data set whose
+    source its module has; nothing else registers one.
 
     A source is cheap to construct (no data is read), so the config check builds the
     DataModule before any worker starts and rejects a bad name or option with a clear message.
     """
 
-    sources: ClassVar[dict[str, Any]] = {}
+    # The task's sources.py: `data.source` names a class in it.
+    source_module: ClassVar[types.ModuleType]
 
     def __init__(
         self,
         name: str,
         batch_size: int,
+        # None only where conf/data/<name>.yaml forgot it: refused with the fix.
+        source: str | None = None,
         num_workers: int = 0,
         pin_memory: bool = False,
         drop_last: bool = False,
@@ -60,7 +71,7 @@ class ShardedDataModule(L.LightningDataModule):
         **source_options: Any,
     ) -> None:
         super().__init__()
-        self.source = self._build_source(name, source_options)
+        self.source = self._build_source(name, source, source_options)
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.pin_memory = pin_memory
@@ -79,14 +90,33 @@ class ShardedDataModule(L.LightningDataModule):
         override it (with a property, or a plain class attribute)."""
         return False
 
-    def _build_source(self, name: str, options: dict[str, Any]) -> Any:
-        if name not in self.sources:
-            raise ConfigError("data", name, f"one of {sorted(self.sources)}", "pick one of those")
+    def _build_source(self, name: str, source: str | None, options: dict[str, Any]) -> Any:
+        if source is None:
+            raise ConfigError(
+                "data.source",
+                None,
+                f"the name of the class that reads data={name}, a class of the task's "
+                f"{self.source_module.__name__} (conf/data/{name}.yaml names none)",
+                f"add `source: <the class>` to conf/data/{name}.yaml (docs/data.md)",
+            )
+        source_class = getattr(self.source_module, source, None)
+        if not (isinstance(source_class, type) and hasattr(source_class, "splits")):
+            module = self.source_module.__name__
+            readable = data_sets_of(self.source_module)
+            raise ConfigError(
+                "data",
+                name,
+                f"a data set this task reads: conf/data/{name}.yaml names `source: {source}`, "
+                f"a class {module} does not have; the task reads the conf/data/ files whose "
+                f"source is one of its classes: {', '.join(readable) or 'none'}",
+                f"pick one of those, or add class {source} to "
+                f"src/{module.replace('.', '/')}.py (docs/data.md)",
+            )
         try:
-            return self.sources[name](**options)
+            return source_class(**options)
         except TypeError as err:
             raise ConfigError(
-                "data", name, f"options of {name} only ({err})", "remove the unknown data.<key>"
+                "data", name, f"options of {source} only ({err})", "remove the unknown data.<key>"
             ) from None
 
     def sizes(self) -> dict[str, Any]:
@@ -177,6 +207,19 @@ class ShardedDataModule(L.LightningDataModule):
     @property
     def _model(self) -> torch.nn.Module | None:
         return self.trainer.lightning_module if self.trainer is not None else None
+
+
+def data_sets_of(module: types.ModuleType) -> list[str]:
+    """The `data=` names whose conf/data/<name>.yaml names a class of `module` (a task's
+    sources module) as its `source`."""
+    from ddp_template.train import CONFIG_DIR
+
+    classes = {name for name, value in vars(module).items() if isinstance(value, type)}
+    return sorted(
+        path.stem
+        for path in sorted((Path(CONFIG_DIR) / "data").glob("*.yaml"))
+        if OmegaConf.load(path).get("source") in classes
+    )
 
 
 def drops_lone_sample(shard: int, batch_size: int, model: torch.nn.Module | None) -> bool:

@@ -1,13 +1,39 @@
-"""The LightningModule base every task builds on: it declares what the task logs and owns
-the optimizer and scheduler (built by `optim.py`)."""
+"""The LightningModule base every task builds on: it declares what the task logs, owns
+the optimizer and scheduler (built by `optim.py`), and builds the network the task config
+names (`build_model`)."""
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
 import lightning as L
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from torch import nn
 
 from ddp_template import optim
+from ddp_template.errors import ConfigError
+
+
+def build_model(model: dict[str, Any], **sizes: Any) -> nn.Module:
+    """The network of `task.module.model`: its `_target_` (a class or function, e.g. of the
+    task's model.py) called with the node's other keys and the data's `sizes` (what the
+    DataModule's `sizes()` says: num_classes, in_channels, ...). Replacing the network is
+    then a new class in model.py and its name in the task config; the module is unchanged."""
+    if "_target_" not in model:
+        raise ConfigError(
+            "task.module.model._target_",
+            None,
+            "the class or function that builds the network (this model node names none)",
+            "add it to the task config, e.g. "
+            "_target_: ddp_template.tasks.image_classification.model.build_resnet",
+        )
+    try:
+        return instantiate(model, **sizes, _convert_="all")
+    except InstantiationException as err:
+        if isinstance(err.__cause__, ConfigError):
+            raise err.__cause__ from None
+        raise
 
 
 class TaskModule(L.LightningModule):

@@ -45,7 +45,7 @@ def check_override_keys(args: list[str], config_dir: str, config_name: str) -> N
     `hydra.main` will (a tenth of a second); whatever else fails is left to Hydra to report."""
     from hydra import compose, initialize_config_dir
     from hydra._internal.utils import get_args_parser
-    from hydra.errors import ConfigCompositionException
+    from hydra.errors import ConfigCompositionException, MissingConfigException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
     parsed, _ = get_args_parser().parse_known_args(args)
@@ -54,6 +54,10 @@ def check_override_keys(args: list[str], config_dir: str, config_name: str) -> N
     try:
         with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
             compose(config_name, overrides=parsed.overrides)
+    except MissingConfigException as err:
+        if (err.missing_cfg_file or "").startswith("data/"):
+            raise unknown_data_set(err.missing_cfg_file.split("/", 1)[1], err.options) from None
+        return
     except ConfigCompositionException as err:
         cause = err.__cause__
         if not isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
@@ -70,3 +74,15 @@ def check_override_keys(args: list[str], config_dir: str, config_name: str) -> N
         ) from None
     except Exception:  # noqa: BLE001 - Hydra reports these itself, with its own words
         return
+
+
+def unknown_data_set(name: str, options: list[str] | None) -> ConfigError:
+    """`data=shapes` without conf/data/shapes.yaml: the data sets are the files there."""
+    return ConfigError(
+        "data",
+        name,
+        f"the name of a file in conf/data/ (each conf/data/<name>.yaml is one data set): "
+        f"{', '.join(options or []) or 'none'}",
+        f"pick one of those, or add conf/data/{name}.yaml whose `source` names the class that "
+        "reads it in the task's sources.py (docs/data.md)",
+    )

@@ -40,55 +40,58 @@ if TYPE_CHECKING:
 
 @dataclass
 class Run:
-    """Top-level switches read by this project (the Trainer's come from its signature)."""
+    """Top-level switches read by this project (the Trainer's come from its signature).
 
-    seed: int = 42
-    ckpt_path: str | None = None
-    resume: bool = False
-    max_restarts: int = 0
-    test: bool = True
-    optimized_metric: str = "test/acc"
-    compile: bool = False
+    These dataclasses hold types only: every default is in conf/ (here conf/train.yaml),
+    the one place a default is written."""
+
+    seed: int = MISSING
+    ckpt_path: str | None = MISSING
+    resume: bool = MISSING
+    max_restarts: int = MISSING
+    test: bool = MISSING
+    optimized_metric: str = MISSING
+    compile: bool = MISSING
 
 
 @dataclass
 class Strategy:
     """`strategy=`: turned into Lightning's DDPStrategy by `build.build_strategy`."""
 
-    name: str = "auto"
-    process_group_backend: str | None = None
-    timeout: float = 1800
-    bucket_cap_mb: float | None = None
-    gradient_as_bucket_view: bool = False
-    static_graph: bool = False
-    find_unused_parameters: bool = False
-    comm_hook: str = "none"
-    powersgd_rank: int = 1
-    powersgd_start_iter: int = 2
+    name: str = MISSING
+    process_group_backend: str | None = MISSING
+    timeout: float = MISSING
+    bucket_cap_mb: float | None = MISSING
+    gradient_as_bucket_view: bool = MISSING
+    static_graph: bool = MISSING
+    find_unused_parameters: bool = MISSING
+    comm_hook: str = MISSING
+    powersgd_rank: int = MISSING
+    powersgd_start_iter: int = MISSING
 
 
 @dataclass
 class Debug:
-    flight_recorder: int = 0
-    distributed_debug: str | None = None
+    flight_recorder: int = MISSING
+    distributed_debug: str | None = MISSING
 
 
 @dataclass
 class Network:
     """`network.*`: how the nodes of a job find each other (node_check, network)."""
 
-    interface: str | None = None
-    timeout_s: float = 45
-    node_rank: int | None = None
-    master_addr: str | None = None
-    master_port: int = 29400
-    job_id: str | None = None
+    interface: str | None = MISSING
+    timeout_s: float = MISSING
+    node_rank: int | None = MISSING
+    master_addr: str | None = MISSING
+    master_port: int = MISSING
+    job_id: str | None = MISSING
 
 
 @dataclass
 class Benchmark:
-    warmup_steps: int = 5
-    steps: int = 20
+    warmup_steps: int = MISSING
+    steps: int = MISSING
 
 
 @dataclass(frozen=True)
@@ -347,13 +350,24 @@ def _type_error(key: str, unknown: bool, schema: type, value: Any) -> ConfigErro
     if unknown:
         return unknown_key_error(key, value, _fields(schema), target or "this part of the config")
     hint = _hints(schema)[name]
-    default = (
-        parameter_default(target, name)
-        if target
-        else cast("type[DataclassInstance]", schema).__dataclass_fields__[name].default
+    default = parameter_default(target, name) if target else train_config_default(key)
+    fix = (
+        f"e.g. {key}={as_override(default)}"
+        if default is not MISSING and _is_plain(default)
+        else f"set {key}"
     )
-    fix = f"e.g. {key}={as_override(default)}" if _is_plain(default) else f"set {key}"
     return ConfigError(key, value, describe_type(hint), fix)
+
+
+def train_config_default(key: str) -> Any:
+    """The value conf/train.yaml itself gives `key` (MISSING where it gives none, or one
+    from another file or an interpolation): the schema's dataclasses hold no defaults."""
+    from ddp_template.train import CONFIG_DIR
+
+    value = OmegaConf.select(
+        OmegaConf.load(f"{CONFIG_DIR}/train.yaml"), key, default=MISSING, throw_on_missing=False
+    )
+    return MISSING if isinstance(value, str) and "${" in value else value
 
 
 def _choice_error(key: str, value: Any, names: tuple) -> ConfigError:

@@ -79,12 +79,13 @@ def startup_rows(trainer: L.Trainer) -> tuple[list[tuple[str, str]], list[str]]:
 
 
 def _task_rows(trainer: L.Trainer) -> list[tuple[str, str]]:
-    """The input size and the model, as the task describes them (when it does)."""
+    """The input size and the model, as the data source and the network describe themselves
+    (a `describe_input()` of the DataModule, a `description` of the module's `model`)."""
     rows = []
     describe_input = getattr(trainer.datamodule, "describe_input", None)
     if describe_input is not None:
         rows.append(("input", describe_input()))
-    model = getattr(trainer.lightning_module, "model_description", None)
+    model = getattr(getattr(trainer.lightning_module, "model", None), "description", None)
     if model:
         rows.append(("model", model))
     return rows

@@ -1,15 +1,15 @@
-"""DataModule of the image classification task: `data=<name>` picks the source."""
+"""DataModule of the image classification task: `data=<name>` picks the source (conf/data/<name>.yaml names its class in sources.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ddp_template.data import ShardedDataModule
-from ddp_template.tasks.image_classification.sources import SOURCES
+from ddp_template.tasks.image_classification import sources
 
 
 class ImageClassificationDataModule(ShardedDataModule):
-    sources = SOURCES
+    source_module = sources
 
     @property
     def decoded_per_sample(self) -> bool:

@@ -61,7 +61,8 @@ def build_resnet(
     dropout: float = 0.0,
 ) -> nn.Module:
     """A ResNet-family model from torchvision (random weights), optionally channels-last.
-    The stem follows `small_input`; under "auto" it follows `image_size`."""
+    The stem follows `small_input`; under "auto" it follows `image_size`. Its `description`
+    is the start-up report's model row."""
     resnets = [name for name in models.list_models(module=models) if "resnet" in name]
     if arch not in resnets:
         raise ConfigError("task.module.model.arch", arch, f"one of {resnets}", "e.g. resnet18")
@@ -90,4 +91,5 @@ def build_resnet(
         model.fc = nn.Sequential(nn.Dropout(dropout), model.fc)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
+    model.description = f"{arch}, {describe_stem(small_input, image_size)}"
     return model

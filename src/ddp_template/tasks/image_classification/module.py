@@ -9,9 +9,8 @@ from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from ddp_template.module import TaskModule
+from ddp_template.module import TaskModule, build_model
 from ddp_template.optim import OptimizerFactory, SchedulerFactory
-from ddp_template.tasks.image_classification.model import build_resnet, describe_stem
 
 
 class ImageClassificationModule(TaskModule):
@@ -32,17 +31,12 @@ class ImageClassificationModule(TaskModule):
     ) -> None:
         super().__init__(optimizer, scheduler, scheduler_interval)
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
-        self.model = build_resnet(
-            num_classes=num_classes, in_channels=in_channels, image_size=image_size, **model
-        )
-        # Shown by the start-up report.
-        self.model_description = f"{model['arch']}, " + describe_stem(
-            model.get("small_input", "auto"), image_size
+        # `model._target_` (conf/task/image_classification.yaml) builds the network.
+        self.model = build_model(
+            model, num_classes=num_classes, in_channels=in_channels, image_size=image_size
         )
         # Inputs follow the weights' layout; a mismatch would make every convolution convert.
-        self.memory_format = (
-            torch.channels_last if model.get("channels_last") else torch.contiguous_format
-        )
+        self.memory_format = weights_layout(self.model)
         self.criterion = nn.CrossEntropyLoss()
         self.train_loss = MeanMetric()
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
@@ -77,3 +71,15 @@ class ImageClassificationModule(TaskModule):
         acc.update(logits, labels)
         self.log(f"{stage}/loss", loss_metric, on_step=False, on_epoch=True, prog_bar=True)
         self.log(f"{stage}/acc", acc, on_step=False, on_epoch=True, prog_bar=True)
+
+
+def weights_layout(model: nn.Module) -> torch.memory_format:
+    """channels-last when the model's convolution weights are stored so (a 1x1 kernel reads
+    the same in both layouts; a larger one tells them apart), else the default layout."""
+    channels_last = any(
+        p.dim() == 4
+        and p.is_contiguous(memory_format=torch.channels_last)
+        and not p.is_contiguous()
+        for p in model.parameters()
+    )
+    return torch.channels_last if channels_last else torch.contiguous_format

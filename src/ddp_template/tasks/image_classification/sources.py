@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import Dataset, Subset, TensorDataset
 from torchvision import datasets, transforms
 
-from ddp_template.data import Splits, check_fraction, split_indices
+from ddp_template.data import Splits, check_fraction, check_held_out, split_indices
 from ddp_template.errors import ConfigError
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp"}
@@ -37,8 +37,7 @@ class Digits:
     input_size = 8
 
     def __post_init__(self) -> None:
-        check_fraction("val_fraction", self.val_fraction)
-        check_fraction("test_fraction", self.test_fraction)
+        check_held_out(self.val_fraction, self.test_fraction)
 
     def describe_input(self) -> str:
         return "8x8 px, 1 channel (scikit-learn's digits)"
@@ -156,6 +155,7 @@ class ImageFolder:
     decoded_per_sample = True
 
     def __post_init__(self) -> None:
+        check_held_out(self.val_fraction, self.test_fraction)
         root = Path(self.root)
         if not root.is_dir():
             raise ConfigError(
@@ -327,6 +327,3 @@ class Synthetic:
         val = _NoiseImages(self.eval_samples, shape, self.num_classes, offset=10**9)
         test = _NoiseImages(self.eval_samples, shape, self.num_classes, offset=2 * 10**9)
         return train, val, test
-
-
-SOURCES = {"digits": Digits, "cifar10": CIFAR10, "imagefolder": ImageFolder, "synthetic": Synthetic}

@@ -9,9 +9,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 from torchmetrics import MeanSquaredError, R2Score
 
-from ddp_template.module import TaskModule
+from ddp_template.module import TaskModule, build_model
 from ddp_template.optim import OptimizerFactory, SchedulerFactory
-from ddp_template.tasks.tabular_classification.model import build_mlp, require_no_batch_of_one
+from ddp_template.tasks.regression.model import require_no_batch_of_one
 
 
 class RegressionModule(TaskModule):
@@ -31,8 +31,9 @@ class RegressionModule(TaskModule):
     ) -> None:
         super().__init__(optimizer, scheduler, scheduler_interval)
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
-        # The tabular classifier's perceptron with a single output: the predicted value.
-        self.model = build_mlp(num_features=num_features, num_classes=1, **model)
+        # `model._target_` (conf/task/regression.yaml) builds the network: one output, the
+        # predicted value.
+        self.model = build_model(model, num_features=num_features, num_outputs=1)
         self.criterion = nn.MSELoss()
         # One pair per stage (keys name the stage: a key "train" would hide Module.train).
         self.stage_metrics = nn.ModuleDict(

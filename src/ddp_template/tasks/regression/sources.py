@@ -56,6 +56,3 @@ class Diabetes(BundledRegressionTable):
 
     loader: ClassVar[str] = "load_diabetes"
     num_features: ClassVar[int] = 10
-
-
-SOURCES = {"diabetes": Diabetes}

@@ -10,9 +10,9 @@ from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from ddp_template.module import TaskModule
+from ddp_template.module import TaskModule, build_model
 from ddp_template.optim import OptimizerFactory, SchedulerFactory
-from ddp_template.tasks.tabular_classification.model import build_mlp, require_no_batch_of_one
+from ddp_template.tasks.tabular_classification.model import require_no_batch_of_one
 
 
 class TabularClassificationModule(TaskModule):
@@ -32,7 +32,8 @@ class TabularClassificationModule(TaskModule):
     ) -> None:
         super().__init__(optimizer, scheduler, scheduler_interval)
         self.save_hyperparameters(ignore=["optimizer", "scheduler"])
-        self.model = build_mlp(num_features=num_features, num_classes=num_classes, **model)
+        # `model._target_` (conf/task/tabular_classification.yaml) builds the network.
+        self.model = build_model(model, num_features=num_features, num_classes=num_classes)
         self.criterion = nn.CrossEntropyLoss()
         self.train_loss = MeanMetric()
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()

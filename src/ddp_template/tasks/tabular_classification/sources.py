@@ -65,6 +65,3 @@ class Wine(BundledTable):
     loader: ClassVar[str] = "load_wine"
     num_features: ClassVar[int] = 13
     num_classes: ClassVar[int] = 3
-
-
-SOURCES = {"breast_cancer": BreastCancer, "wine": Wine}
