@@ -24,14 +24,14 @@ import types
 import warnings
 from collections.abc import Iterator, Sized
 from pathlib import Path
-from typing import Any, ClassVar, cast
+from typing import Any, cast
 
 import lightning as L
 import numpy as np
 import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ddp_template.errors import ConfigError
@@ -54,7 +54,7 @@ class ShardedDataModule(L.LightningDataModule):
     """
 
     # The task's sources.py: `data.source` names a class in it.
-    source_module: ClassVar[types.ModuleType]
+    source_module: types.ModuleType
 
     def __init__(
         self,
@@ -218,8 +218,13 @@ def data_sets_of(module: types.ModuleType) -> list[str]:
     return sorted(
         path.stem
         for path in sorted((Path(CONFIG_DIR) / "data").glob("*.yaml"))
-        if OmegaConf.load(path).get("source") in classes
+        if _source_named(path) in classes
     )
+
+
+def _source_named(data_config: Path) -> object:
+    loaded = OmegaConf.load(data_config)
+    return loaded.get("source") if isinstance(loaded, DictConfig) else None
 
 
 def drops_lone_sample(shard: int, batch_size: int, model: torch.nn.Module | None) -> bool:

@@ -55,8 +55,10 @@ def check_override_keys(args: list[str], config_dir: str, config_name: str) -> N
         with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
             compose(config_name, overrides=parsed.overrides)
     except MissingConfigException as err:
-        if (err.missing_cfg_file or "").startswith("data/"):
-            raise unknown_data_set(err.missing_cfg_file.split("/", 1)[1], err.options) from None
+        missing = err.missing_cfg_file or ""
+        if missing.startswith("data/"):
+            options = list(err.options) if err.options is not None else None
+            raise unknown_data_set(missing.split("/", 1)[1], options) from None
         return
     except ConfigCompositionException as err:
         cause = err.__cause__
