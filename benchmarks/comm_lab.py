@@ -1,5 +1,5 @@
 """Communication settings side by side, over a real (shaped) network: two lab nodes
-(`ddp_template.netlab`), one core each, one torchrun agent per node, at each link rate.
+(`ddp_template.tools.netlab`), one core each, one torchrun agent per node, at each link rate.
 
 For every rate it runs `experiment=benchmark` as a 2-node job for the article's recipes
 (`recipe=baseline,amp,data,comm`), the communication hooks (`strategy.comm_hook=fp16,bf16,
@@ -7,7 +7,7 @@ powersgd` on the baseline) and bucket sizes (`strategy.bucket_cap_mb=1,5,25,100`
 same recipes once on one node alone (the compute reference). Each step is split into
 compute (the one-node step without its data wait, plus the hook's own work), communication
 not hidden behind compute (the rest of the 2-node step) and data wait (measured); beside
-it, the step time `ddp_template.scaling` predicts from the one-node run and the link rate
+it, the step time `ddp_template.tools.scaling` predicts from the one-node run and the link rate
 the lab measured. Writes comm_lab.md, comm_lab.csv and comm_lab.png into --out.
 
     .venv/bin/python benchmarks/comm_lab.py --rates 200mbit,1gbit     # as root
@@ -30,8 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from ddp_template.netlab import Lab, format_rate, parse_rate  # noqa: E402
-from ddp_template.scaling import Link, load_run, predict, probe_hook_costs  # noqa: E402
+from ddp_template.tools.netlab import Lab, format_rate, parse_rate  # noqa: E402
+from ddp_template.tools.scaling import Link, load_run, predict, probe_hook_costs  # noqa: E402
 
 RECIPES = ["baseline", "amp", "data", "comm"]
 HOOK_SETTINGS = ["fp16", "bf16", "powersgd"]

@@ -56,10 +56,10 @@ def build_loader(root: Path, loader: str, accelerator: str, batch_size: int, ima
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from ddp_template import resolvers
-    from ddp_template.build import build_task
-    from ddp_template.checks import check_config
+    from ddp_template.config import resolvers
+    from ddp_template.config.checks import check_config
     from ddp_template.train import CONFIG_DIR
+    from ddp_template.worker.build import build_task
 
     resolvers.register()
     overrides = [

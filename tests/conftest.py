@@ -19,6 +19,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
+# What the tests plant in runs (probes, faults) and start as scripts.
+HELPERS = TESTS / "helpers"
+sys.path.insert(0, str(HELPERS))
 
 # Pins the CPU: the tests check CPU behaviour (gloo, host memory, bf16 for 16-mixed).
 CPU = "accelerator=cpu"
@@ -82,9 +85,9 @@ def train(
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
-    """The environment of a process a test starts: the tests folder importable (faults,
+    """The environment of a process a test starts: the test helpers importable (faults,
     probes), kept before a PYTHONPATH set by the caller (a copy of the project)."""
-    path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(filter(None, [str(HELPERS), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **extra}
 
 
@@ -124,7 +127,7 @@ def compose_train(*overrides: str):
     from hydra import compose, initialize_config_dir
     from omegaconf import open_dict
 
-    from ddp_template import resolvers
+    from ddp_template.config import resolvers
     from ddp_template.train import CONFIG_DIR
 
     resolvers.register()

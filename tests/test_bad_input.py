@@ -11,12 +11,12 @@ import pytest
 import torch
 from conftest import FAST, compose_train, train
 
-from ddp_template.build import build_task, build_trainer
 from ddp_template.callbacks.startup_report import oversubscription_warning
-from ddp_template.checks import check_config
+from ddp_template.config.checks import check_config
+from ddp_template.config.resume_folder import ResumeCheck, check_run_folder, check_sweep_folder
 from ddp_template.errors import ConfigError
-from ddp_template.results import export_weights
-from ddp_template.resume_folder import ResumeCheck, check_run_folder, check_sweep_folder
+from ddp_template.worker.build import build_task, build_trainer
+from ddp_template.worker.results import export_weights
 
 CASES = {
     "devices=abc": (["devices=abc"], "devices='abc'"),
@@ -95,7 +95,7 @@ def test_unknown_strategy_lists_the_options(tmp_path: Path) -> None:
 
 def test_unknown_data_set_says_where_data_sets_come_from() -> None:
     """`data=shapes` before conf/data/shapes.yaml exists: the files there, and how to add one."""
-    from ddp_template.plugins import check_override_keys
+    from ddp_template.config.plugins import check_override_keys
     from ddp_template.train import CONFIG_DIR
 
     with pytest.raises(ConfigError) as err:
@@ -306,7 +306,7 @@ def test_batchnorm_trains_through_a_lone_last_sample_under_ddp(tmp_path: Path) -
 def test_misspelt_key_is_named_before_hydra_composes() -> None:
     """The check `train.py` makes before Hydra: a typo gets the closest key, and a valid
     command line, a sweep or an added key pass on to Hydra."""
-    from ddp_template.plugins import check_override_keys
+    from ddp_template.config.plugins import check_override_keys
     from ddp_template.train import CONFIG_DIR
 
     with pytest.raises(ConfigError) as err:

@@ -28,7 +28,7 @@ MIXED = "bf16-mixed"
 
 def report(folder: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "ddp_template.report", str(folder), *args],
+        [sys.executable, "-m", "ddp_template.tools.report", str(folder), *args],
         capture_output=True,
         text=True,
         timeout=120,

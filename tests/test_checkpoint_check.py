@@ -10,9 +10,9 @@ import torch
 from conftest import compose_train, train
 from omegaconf import open_dict
 
-from ddp_template.build import build_task
-from ddp_template.checkpoint_check import check_checkpoint
+from ddp_template.config.checkpoint_check import check_checkpoint
 from ddp_template.errors import ConfigError
+from ddp_template.worker.build import build_task
 
 
 def _checkpoint_of(path: Path, *overrides: str, weights_only: bool = False) -> Path:

@@ -14,8 +14,8 @@ import torch
 from conftest import FAST, ROOT, start
 from omegaconf import OmegaConf
 
-from ddp_template.checkpoint_check import newest_complete, unreadable
-from ddp_template.checkpoint_io import SafeCheckpointIO, previous_of
+from ddp_template.config.checkpoint_check import newest_complete, unreadable
+from ddp_template.worker.checkpoint_io import SafeCheckpointIO, previous_of
 
 
 def _save(folder: Path, step: int) -> Path:

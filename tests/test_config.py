@@ -10,8 +10,8 @@ import pytest
 from conftest import compose_train
 from omegaconf import OmegaConf
 
-from ddp_template import resolvers
-from ddp_template.checks import TRAINER_ARGS_ELSEWHERE, check_config
+from ddp_template.config import resolvers
+from ddp_template.config.checks import TRAINER_ARGS_ELSEWHERE, check_config
 from ddp_template.errors import ConfigError
 from ddp_template.train import CONFIG_DIR
 
@@ -46,7 +46,7 @@ def test_every_trainer_argument_is_reachable() -> None:
 
 
 def test_ddp_switches_reach_distributed_data_parallel() -> None:
-    from ddp_template.build import build_strategy
+    from ddp_template.worker.build import build_strategy
 
     cfg = compose_train(
         "strategy=ddp",
@@ -100,7 +100,7 @@ def test_bad_values_are_named(overrides: list[str], key: str) -> None:
 def test_truncated_checkpoint_is_refused(tmp_path: Path) -> None:
     import torch
 
-    from ddp_template.build import build_task
+    from ddp_template.worker.build import build_task
 
     # Shaped as Lightning's: the weights of the model the config builds, loop counters.
     _, module = build_task(compose_train())

@@ -2,7 +2,7 @@
 packed jobs) may be forked, the launching process never creates a CUDA context, a CPU rank
 never initialises CUDA, and the GPU requests a machine cannot hold are refused with one
 paragraph. The machine's way of counting is set up as a GPU machine would have it
-(tests/cuda_scenario.py); nothing here needs a GPU."""
+(tests/helpers/cuda_scenario.py); nothing here needs a GPU."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import FAST, TESTS, compose_train, subprocess_env
 
-from ddp_template.checks import check_config, resolve_accelerator, resolve_devices
+from ddp_template.config.checks import check_config, resolve_accelerator, resolve_devices
 from ddp_template.errors import ConfigError
 
 needs_cuda_build = pytest.mark.skipif(
@@ -26,7 +26,7 @@ MIG = "MIG-7f2c1d9a-0b3e-5a61-9c4d-2e8f6a1b3c5d"
 
 def scenario(name: str, launcher: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, str(TESTS / "cuda_scenario.py"), name, launcher],
+        [sys.executable, str(TESTS / "helpers" / "cuda_scenario.py"), name, launcher],
         capture_output=True,
         text=True,
         timeout=300,

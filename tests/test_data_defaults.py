@@ -11,10 +11,10 @@ from conftest import FAST, compose_train, train
 from PIL import Image
 from torch import nn
 
-from ddp_template.build import build_task
-from ddp_template.checks import check_config
+from ddp_template.config.checks import check_config
+from ddp_template.config.resolvers import workers_per_rank
 from ddp_template.errors import ConfigError
-from ddp_template.resolvers import workers_per_rank
+from ddp_template.worker.build import build_task
 
 
 def image_folder(root: Path, side: int, per_class: int = 3, classes: int = 2) -> Path:

@@ -1,5 +1,5 @@
 """Diagnostics (`debug=`): real 2-process DDP runs on the CPU with a fault injected from
-tests/faults.py, and the up-front refusals of bad debug settings."""
+tests/helpers/faults.py, and the up-front refusals of bad debug settings."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import pytest
 import torch
 from conftest import FAST, compose_train, results, train
 
-from ddp_template import resolvers
 from ddp_template.callbacks.host_sync import HostSyncFinder
 from ddp_template.callbacks.startup_report import oversubscription_warning
-from ddp_template.checks import check_config
+from ddp_template.config import resolvers
+from ddp_template.config.checks import check_config
 from ddp_template.errors import ConfigError
 from ddp_template.train import CONFIG_DIR
 

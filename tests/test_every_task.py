@@ -24,8 +24,8 @@ import pytest
 import torch
 from conftest import ROOT, compose_train, probes, results, train
 
-from ddp_template.build import build_task
 from ddp_template.new_task import available_sources
+from ddp_template.worker.build import build_task
 
 TASKS = available_sources(ROOT)
 COMMON = [

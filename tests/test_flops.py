@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddp_template.callbacks.speed import SpeedMonitor
-from ddp_template.flops import peak_tflops, training_flops_per_sample
+from ddp_template.worker.flops import peak_tflops, training_flops_per_sample
 
 
 def test_two_linear_layers_cost_their_products_forward_and_backward() -> None:
@@ -78,7 +78,7 @@ def test_float32_runs_are_measured_against_what_their_work_runs_on(
     """On an A100 (as torch would name it), float32 convolutions run on TF32 tensor cores
     (cuDNN's switch, on by default) and float32 matrix products only when torch's matmul
     precision allows it."""
-    from ddp_template.flops import device_peak_tflops
+    from ddp_template.worker.flops import device_peak_tflops
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))

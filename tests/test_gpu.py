@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import CPU, FAST, ROOT, compose_train, cuda_devices, results, train
 
-from ddp_template.checks import check_config
+from ddp_template.config.checks import check_config
 from ddp_template.errors import ConfigError
 
 GPU_FAST = [option for option in FAST if option != CPU] + ["accelerator=cuda"]

@@ -108,7 +108,7 @@ def test_slurm_launcher_config_maps_devices_and_nodes(accelerator: str, gpus) ->
     refuses any GPU request)."""
     from hydra import compose, initialize_config_dir
 
-    from ddp_template import resolvers
+    from ddp_template.config import resolvers
     from ddp_template.train import CONFIG_DIR
 
     resolvers.register()
@@ -141,8 +141,8 @@ def test_submitit_local_executor_runs_a_job(tmp_path: Path) -> None:
 def test_missing_launcher_plugin_is_named(monkeypatch) -> None:
     import importlib.util
 
+    from ddp_template.config.plugins import require_plugins
     from ddp_template.errors import ConfigError
-    from ddp_template.plugins import require_plugins
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
@@ -306,7 +306,7 @@ def test_the_cause_is_named_when_the_agent_saw_a_rank_it_brought_down_first(
     file of an earlier launch into the same folder does not count."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from ddp_template.launch import describe_failure
+    from ddp_template.launch.agent import describe_failure
 
     attempt = tmp_path / "logs" / "attempt_0"
     brought_down = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer")

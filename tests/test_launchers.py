@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from conftest import FAST, ROOT, compose_train, free_port, results, start, subprocess_env
 
-from ddp_template import resolvers
-from ddp_template.build import build_trainer
-from ddp_template.checks import check_config
+from ddp_template.config import resolvers
+from ddp_template.config.checks import check_config
 from ddp_template.errors import ConfigError, UserFacingError
-from ddp_template.world import launched_world, started_by
+from ddp_template.launch.world import launched_world, started_by
+from ddp_template.worker.build import build_trainer
 
 TINY = ["strategy=ddp", *FAST]
 # Every variable a launcher sets, cleared before a test sets its own.
@@ -167,7 +167,7 @@ def test_mpirun_ranks_agree_on_one_folder_and_a_port(launched) -> None:
             OMPI_COMM_WORLD_LOCAL_SIZE="2",
             OMPI_MCA_ess_base_jobid="2018246657",
         )
-        from ddp_template.environments import cluster_environment
+        from ddp_template.launch.environments import cluster_environment
 
         environment = cluster_environment()
         assert environment is not None and environment.global_rank() == rank

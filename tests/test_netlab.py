@@ -1,4 +1,4 @@
-"""Several nodes for real: jobs over the lab's network namespaces (`ddp_template.netlab`),
+"""Several nodes for real: jobs over the lab's network namespaces (`ddp_template.tools.netlab`),
 each node with its own hostname, address, hosts file and core, joined by a shaped link,
 one torchrun agent per node, as users start them. Nothing talks over 127.0.0.1 between
 nodes here; the lab is made by the test and removed after it. Skipped, with the reason,
@@ -18,7 +18,7 @@ import pytest
 from conftest import FAST, ROOT, results, subprocess_env
 
 from ddp_template.errors import ConfigError, UserFacingError
-from ddp_template.netlab import Lab, parse_rate, require_namespaces
+from ddp_template.tools.netlab import Lab, parse_rate, require_namespaces
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 TRAIN = str(ROOT / "train.py")
@@ -103,7 +103,7 @@ def test_link_rates_parse_like_tc() -> None:
 
 def test_a_rate_the_lab_cannot_parse_is_one_paragraph() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "ddp_template.netlab", "up", "--rate", "fast"],
+        [sys.executable, "-m", "ddp_template.tools.netlab", "up", "--rate", "fast"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -267,7 +267,7 @@ def test_a_restart_resumes_on_both_nodes(lab: Lab, tmp_path: Path) -> None:
 
 
 def test_a_rendezvous_host_on_loopback_seen_from_another_node_is_refused() -> None:
-    from ddp_template.network import choose_endpoint
+    from ddp_template.launch.network import choose_endpoint
 
     with pytest.raises(ConfigError) as err:
         choose_endpoint("localhost", node_rank=1, num_nodes=2)
@@ -277,7 +277,7 @@ def test_a_rendezvous_host_on_loopback_seen_from_another_node_is_refused() -> No
 
 
 def test_a_name_that_does_not_resolve_and_a_missing_interface_are_named() -> None:
-    from ddp_template.network import choose_endpoint, interfaces
+    from ddp_template.launch.network import choose_endpoint, interfaces
 
     with pytest.raises(ConfigError, match="does not resolve|resolves on node 0"):
         choose_endpoint("no-such-host.invalid", node_rank=0, num_nodes=2)
@@ -290,7 +290,7 @@ def test_a_name_that_does_not_resolve_and_a_missing_interface_are_named() -> Non
 def test_differing_configs_name_the_key_the_nodes_and_the_fix() -> None:
     from conftest import compose_train
 
-    from ddp_template.node_check import _judge, flat_config
+    from ddp_template.worker.node_check import _judge, flat_config
 
     configs = [flat_config(compose_train(f"seed={s}")) for s in (1, 2)]
     ranks = [
@@ -365,7 +365,7 @@ def test_the_own_agent_names_a_rendezvous_host_that_does_not_answer(
 
 
 def test_node_0_must_own_the_rendezvous_address() -> None:
-    from ddp_template.network import check_rendezvous_host
+    from ddp_template.launch.network import check_rendezvous_host
 
     with pytest.raises(ConfigError) as err:
         check_rendezvous_host("192.0.2.250", 29400, node_rank=0, timeout_s=1)

@@ -33,8 +33,8 @@ def copy_project(target: Path) -> Path:
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
     shutil.copytree(ROOT / "conf", target / "conf", ignore=ignore)
     shutil.copytree(ROOT / "src" / "ddp_template", target / "src" / "ddp_template", ignore=ignore)
-    (target / "tests").mkdir()
-    for name in ("train.py", "pyproject.toml", "tests/conftest.py", "tests/probe.py"):
+    (target / "tests" / "helpers").mkdir(parents=True)
+    for name in ("train.py", "pyproject.toml", "tests/conftest.py", "tests/helpers/probe.py"):
         shutil.copy2(ROOT / name, target / name)
     for test in (ROOT / "tests").glob("test_task_*.py"):
         shutil.copy2(test, target / "tests" / test.name)

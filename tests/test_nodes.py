@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import FAST, ROOT, compose_train, free_port, results, start
 
-from ddp_template.checks import check_config
+from ddp_template.config.checks import check_config
 from ddp_template.errors import ConfigError
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")

@@ -64,7 +64,7 @@ def test_jobs_run_side_by_side_on_disjoint_cores(tmp_path: Path) -> None:
     for job in jobs:
         assert (job / ".hydra" / "config.yaml").is_file() and (job / "train.log").is_file()
     report = subprocess.run(
-        [sys.executable, "-m", "ddp_template.report", str(sweep)],
+        [sys.executable, "-m", "ddp_template.tools.report", str(sweep)],
         capture_output=True,
         text=True,
         timeout=300,

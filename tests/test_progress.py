@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import compose_train, train
 
-from ddp_template.checks import check_config
+from ddp_template.config.checks import check_config
 from ddp_template.errors import ConfigError
 
 # epoch 1/1  step 2/6 (33%)  loss 2.402  18 samples/s  0.00371 TFLOP/s per device

@@ -14,16 +14,16 @@ import torch.distributed as dist
 from conftest import compose_train, train
 from omegaconf import OmegaConf
 
-from ddp_template import resolvers
 from ddp_template.callbacks.speed import SpeedMonitor
-from ddp_template.checks import check_config
-from ddp_template.comm_hooks import (
+from ddp_template.config import resolvers
+from ddp_template.config.checks import check_config
+from ddp_template.errors import ConfigError
+from ddp_template.worker.comm_hooks import (
     COMM_HOOKS,
     CountingHook,
     hook_state,
     needs_one_bucket_at_a_time,
 )
-from ddp_template.errors import ConfigError
 
 resolvers.register()
 

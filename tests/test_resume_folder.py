@@ -27,7 +27,7 @@ from conftest import (
     train,
 )
 
-from ddp_template.report import load_rows
+from ddp_template.tools.report import load_rows
 
 
 def weights(job: Path) -> dict[str, torch.Tensor]:
@@ -119,7 +119,7 @@ def test_an_optuna_sweep_continues_its_study(tmp_path: Path) -> None:
 
 
 def test_results_of_a_finished_job_are_told_from_a_torn_file(tmp_path: Path) -> None:
-    from ddp_template.resume_folder import finished_results
+    from ddp_template.config.resume_folder import finished_results
 
     assert finished_results(tmp_path) is None
     (tmp_path / "results.json").write_text('{"finished_at": "now", "val/acc_b')
@@ -129,7 +129,7 @@ def test_results_of_a_finished_job_are_told_from_a_torn_file(tmp_path: Path) -> 
 
 
 def test_a_stopped_sweep_says_how_to_continue_it(tmp_path: Path, monkeypatch) -> None:
-    from ddp_template.preemption import interrupted_sweep_message
+    from ddp_template.worker.preemption import interrupted_sweep_message
 
     argv = ["train.py", "-m", "seed=1,2,3", "hydra.sweep.dir=old", "resume=true"]
     monkeypatch.setattr(sys, "argv", argv)

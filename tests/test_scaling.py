@@ -1,4 +1,4 @@
-"""The scaling model (`python -m ddp_template.scaling`): its buckets are DDP's, its
+"""The scaling model (`python -m ddp_template.tools.scaling`): its buckets are DDP's, its
 predictions move the way the physics says, and bad input is one paragraph. (Its figures
 against measured 2-node steps: benchmarks/comm_lab.py, docs/nodes.md.)"""
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ddp_template.errors import ConfigError
-from ddp_template.scaling import Link, MeasuredRun, buckets, parse_nodes, predict, sent_bytes
+from ddp_template.tools.scaling import Link, MeasuredRun, buckets, parse_nodes, predict, sent_bytes
 
 SHAPES = [[10], [10, 512], [512], [512, 256, 3, 3], [256], [256, 64, 3, 3], [64, 3, 3, 3]]
 
@@ -117,7 +117,7 @@ def test_the_command_line_predicts_and_refuses(tmp_path: Path) -> None:
         ddp={"bucket_cap_mb": 25.0},
         config={"strategy": {"bucket_cap_mb": None, "powersgd_rank": 1}},
     )
-    command = [sys.executable, "-m", "ddp_template.scaling", str(job), "--link", "1gbit"]
+    command = [sys.executable, "-m", "ddp_template.tools.scaling", str(job), "--link", "1gbit"]
     ok = subprocess.run([*command, "--nodes", "2,4"], capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     lines = [line for line in ok.stdout.splitlines() if "predicted step time:" in line]
@@ -129,7 +129,7 @@ def test_the_command_line_predicts_and_refuses(tmp_path: Path) -> None:
     assert refused.returncode == 2 and refused.stderr.startswith("error: --nodes='0' is not valid")
     one_process = _results(tmp_path / "plain", step_time_median_s=1.0)
     refused = subprocess.run(
-        [sys.executable, "-m", "ddp_template.scaling", str(one_process)],
+        [sys.executable, "-m", "ddp_template.tools.scaling", str(one_process)],
         capture_output=True,
         text=True,
         timeout=120,

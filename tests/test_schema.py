@@ -12,7 +12,7 @@ import torch
 from conftest import compose_train
 from omegaconf import open_dict
 
-from ddp_template.checks import check_config
+from ddp_template.config.checks import check_config
 from ddp_template.errors import ConfigError
 
 # (overrides, the key named, a word of what is allowed)

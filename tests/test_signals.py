@@ -118,7 +118,7 @@ def test_a_failed_sweep_job_leaves_no_watchdog_armed(tmp_path: Path) -> None:
 def test_the_resume_command_names_the_running_interpreter(tmp_path: Path, monkeypatch) -> None:
     """Typed in the folder the run was started from, it runs this interpreter (the project's
     .venv/bin/python from the project's folder), not whatever `python` is on the PATH."""
-    from ddp_template.preemption import interrupted_message
+    from ddp_template.worker.preemption import interrupted_message
 
     (tmp_path / "last.ckpt").write_bytes(b"")
     monkeypatch.setattr(sys, "argv", ["train.py", "strategy=ddp"])
@@ -144,7 +144,7 @@ def _first_stops(rank: int, port: int, results) -> None:
     step at which the agreement says stop."""
     import torch.distributed as dist
 
-    from ddp_template.preemption import FlagAgreement
+    from ddp_template.worker.preemption import FlagAgreement
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -170,7 +170,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step() -> None:
 
 
 def test_flag_agreement_without_a_process_group_reads_its_own_flag_later() -> None:
-    from ddp_template.preemption import FlagAgreement
+    from ddp_template.worker.preemption import FlagAgreement
 
     agreement = FlagAgreement(2, torch.device("cpu"))
     assert [agreement.step(flag) for flag in (0, 1, 2, 0)] == [0, 0, 0, 1]
@@ -179,7 +179,7 @@ def test_flag_agreement_without_a_process_group_reads_its_own_flag_later() -> No
 
 def test_decide_after_steps_must_be_a_whole_number() -> None:
     from ddp_template.errors import ConfigError
-    from ddp_template.preemption import PreemptionCheckpoint
+    from ddp_template.worker.preemption import PreemptionCheckpoint
 
     with pytest.raises(ConfigError, match="decide_after_steps=-1 is not valid"):
         PreemptionCheckpoint(decide_after_steps=-1)
@@ -188,7 +188,7 @@ def test_decide_after_steps_must_be_a_whole_number() -> None:
 def test_a_preempted_rank_leaves_sigterm_ignored_while_it_ends() -> None:
     """The requeue's SIGTERM may arrive while Lightning shuts down: restored, Lightning's
     handler would broadcast to a rank already gone and the job would record a failure."""
-    from ddp_template.preemption import Preempted, PreemptionCheckpoint
+    from ddp_template.worker.preemption import Preempted, PreemptionCheckpoint
 
     before = signal.getsignal(signal.SIGTERM)
     try:
@@ -205,7 +205,10 @@ def test_a_preempted_rank_leaves_sigterm_ignored_while_it_ends() -> None:
 def test_lightnings_per_step_sigterm_broadcast_is_off_while_the_callback_owns_sigterm() -> None:
     import lightning as L
 
-    from ddp_template.preemption import PreemptionCheckpoint, _skip_lightnings_sigterm_broadcast
+    from ddp_template.worker.preemption import (
+        PreemptionCheckpoint,
+        _skip_lightnings_sigterm_broadcast,
+    )
 
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
     loop = trainer.fit_loop.epoch_loop

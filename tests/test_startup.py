@@ -43,7 +43,7 @@ def test_fork_is_refused_while_another_thread_runs() -> None:
     held: Python's, native ones (a TCPStore's server) and GNU OpenMP's team alike. Asked
     in a fresh process, which holds none of them to begin with."""
     proc = subprocess.run(
-        [sys.executable, str(TESTS / "thread_probe.py")],
+        [sys.executable, str(TESTS / "helpers" / "thread_probe.py")],
         capture_output=True,
         text=True,
         timeout=300,
@@ -60,7 +60,7 @@ def test_fork_is_refused_while_another_thread_runs() -> None:
 FORK_AFTER_PARALLEL_WORK = textwrap.dedent(
     """
     import multiprocessing, sys, torch
-    from ddp_template.launch import single_threaded
+    from ddp_template.launch.agent import single_threaded
 
     def parallel_work():
         x = torch.randn(1500, 1500)

@@ -12,7 +12,7 @@ import torch
 from conftest import compose_train, results, train
 from hydra import compose, initialize_config_dir
 
-from ddp_template.checks import check_config
+from ddp_template.config.checks import check_config
 from ddp_template.errors import ConfigError
 from ddp_template.train import CONFIG_DIR
 
@@ -147,7 +147,7 @@ def test_one_cycle_resumes_with_more_epochs(tmp_path: Path) -> None:
 def test_the_report_shows_the_monitored_metric_of_each_job(tmp_path: Path) -> None:
     """Two jobs of a sweep (their results files as a run writes them): the report's column
     is the best validation value of the task's metric, named with its direction."""
-    from ddp_template.report import load_rows, markdown_table
+    from ddp_template.tools.report import load_rows, markdown_table
 
     for job, best in (("0", 0.41), ("1", 0.37)):
         folder = tmp_path / job

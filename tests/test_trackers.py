@@ -15,7 +15,7 @@ import pytest
 from conftest import FAST, compose_train, free_port, results, train
 
 from ddp_template.errors import ConfigError
-from ddp_template.trackers import SERVER_TIMEOUT_S, check_trackers
+from ddp_template.worker.trackers import SERVER_TIMEOUT_S, check_trackers
 
 # FAST without its logger=none; the learning rate logged at every step.
 QUICK = [arg for arg in FAST if not arg.startswith("logger=")] + ["trainer.log_every_n_steps=1"]
@@ -145,7 +145,7 @@ def test_wandb_online_without_an_account_is_refused(monkeypatch, tmp_path: Path)
 def test_learning_rate_monitor_is_left_out_without_a_tracker() -> None:
     from lightning.pytorch.callbacks import LearningRateMonitor
 
-    from ddp_template.build import build_callbacks
+    from ddp_template.worker.build import build_callbacks
 
     def monitors(*overrides: str) -> int:
         callbacks = build_callbacks(compose_train(*overrides))

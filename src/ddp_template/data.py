@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ddp_template.errors import ConfigError
-from ddp_template.rng import derived_seed
+from ddp_template.worker.rng import derived_seed
 
 Splits = tuple[Dataset, Dataset, Dataset]
 

@@ -6,7 +6,7 @@ process; each worker (one per device) then runs `fit_and_test` on the resolved c
 
 from __future__ import annotations
 
-from ddp_template import process_defaults  # noqa: F401  (first: before torch loads)
+from ddp_template.launch import process_defaults  # noqa: F401  (first: before torch loads)
 
 # isort: split
 
@@ -22,9 +22,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from ddp_template import resolvers
+from ddp_template.config import resolvers
 from ddp_template.errors import UserFacingError
-from ddp_template.launch import record_failures
+from ddp_template.launch.agent import record_failures
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
@@ -34,7 +34,7 @@ resolvers.register()
 def cli() -> None:
     """`python train.py ...`: names a missing launcher plugin, or a key the config does not
     have, before Hydra composes."""
-    from ddp_template.plugins import check_override_keys, require_plugins
+    from ddp_template.config.plugins import check_override_keys, require_plugins
 
     try:
         require_plugins(sys.argv[1:])
@@ -52,10 +52,10 @@ def main(cfg: DictConfig) -> float | None:
 
 def run(cfg: DictConfig) -> float | None:
     """Checks the config, starts the workers and returns the metric a sweep optimises."""
-    from ddp_template.checks import check_config
-    from ddp_template.launch import launch, single_threaded
-    from ddp_template.results import print_summary
-    from ddp_template.resume_folder import finished_results
+    from ddp_template.config.checks import check_config
+    from ddp_template.config.resume_folder import finished_results
+    from ddp_template.launch.agent import launch, single_threaded
+    from ddp_template.worker.results import print_summary
 
     finished = finished_results(Path(cfg.paths.output_dir)) if cfg.get("resume") else None
     if finished is not None:
@@ -89,7 +89,7 @@ def _stopped_by_signal(cfg: DictConfig, signum: int) -> None:
     """Ctrl-C or SIGTERM: the workers are stopped; one line says how to resume. A sweep
     stops too (its other jobs would be interrupted the same way): the line gives the
     command that continues the whole sweep."""
-    from ddp_template.preemption import interrupted_message, interrupted_sweep_message
+    from ddp_template.worker.preemption import interrupted_message, interrupted_sweep_message
 
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         sweep_dir = Path(HydraConfig.get().sweep.dir)
@@ -105,8 +105,8 @@ def _stopped_by_signal(cfg: DictConfig, signum: int) -> None:
 def own_agent_nodes(cfg: DictConfig):
     """The nodes of a job this project's agent starts on each machine (`network.node_rank`,
     `network.master_addr`); None for one node or an external launcher."""
-    from ddp_template.launch import Nodes, processes_started_externally
-    from ddp_template.network import choose_endpoint
+    from ddp_template.launch.agent import Nodes, processes_started_externally
+    from ddp_template.launch.network import choose_endpoint
 
     network = cfg.network
     if cfg.num_nodes == 1 or processes_started_externally():
@@ -149,20 +149,20 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     """What every rank runs. Returns rank 0's results (None on the other ranks)."""
     import lightning as L
 
-    from ddp_template.attempts import requeue_count, restart_count
-    from ddp_template.build import build_task, build_trainer
     from ddp_template.callbacks.ddp_settings import DDPSettingsMonitor
-    from ddp_template.compiling import compile_if_asked
     from ddp_template.debug import apply_debug_environment, explain_unused_parameters
-    from ddp_template.node_check import nodes_of_job
-    from ddp_template.results import (
+    from ddp_template.worker.attempts import requeue_count, restart_count
+    from ddp_template.worker.build import build_task, build_trainer
+    from ddp_template.worker.compiling import compile_if_asked
+    from ddp_template.worker.node_check import nodes_of_job
+    from ddp_template.worker.results import (
         RESULTS_FILE,
         WEIGHTS_FILE,
         collect_results,
         export_weights,
         write_json_atomic,
     )
-    from ddp_template.trackers import attach_results
+    from ddp_template.worker.trackers import attach_results
 
     cfg = OmegaConf.create(config)
     # Before the process group starts: PyTorch reads these switches from the environment.
@@ -209,8 +209,8 @@ def _resume_point(cfg: DictConfig) -> str | None:
     """A restart of the worker group, a SLURM requeue or `resume=true` continues from the
     job's newest complete checkpoint (`last.ckpt`, else the previous one, with a line saying
     so); a fresh start from `ckpt_path` (usually none)."""
-    from ddp_template.attempts import requeue_count, restart_count
-    from ddp_template.checkpoint_check import newest_complete
+    from ddp_template.config.checkpoint_check import newest_complete
+    from ddp_template.worker.attempts import requeue_count, restart_count
 
     continued = restart_count() > 0 or requeue_count() > 0 or cfg.get("resume", False)
     if continued or _rejoined_by_torchrun(cfg):
@@ -228,7 +228,7 @@ def _rejoined_by_torchrun(cfg: DictConfig) -> bool:
     (TORCHELASTIC_RESTART_COUNT stays 0 there): with several nodes every node decides the
     same way, from the shared job folder (`--rdzv_id` names it): an attempt that finds a
     checkpoint of its job continues from it."""
-    from ddp_template.world import started_by
+    from ddp_template.launch.world import started_by
 
     return started_by() == "torchrun" and int(cfg.num_nodes) > 1
 
@@ -244,7 +244,7 @@ def _share_cpu_cores(local_processes: int) -> None:
         return
     import torch
 
-    from ddp_template.topology import cores_per_process
+    from ddp_template.launch.topology import cores_per_process
 
     torch.set_num_threads(cores_per_process(local_processes))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning as L
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_template.comm_hooks import COMM_HOOKS, registered_hook
+from ddp_template.worker.comm_hooks import COMM_HOOKS, registered_hook
 
 
 def read_ddp_settings(model: object) -> dict[str, float] | None:
@@ -55,7 +55,7 @@ def gradient_layout(model: object) -> dict[str, object] | None:
     """What the communication costs per step, from the live DDP wrapper: every gradient's
     shape in the order DDP buckets them (the reverse of `parameters()`), the buckets' sizes
     and the last sampled forward and backward compute times (DDP's own timers). This is
-    what `python -m ddp_template.scaling` predicts other node counts from."""
+    what `python -m ddp_template.tools.scaling` predicts other node counts from."""
     if not isinstance(model, DistributedDataParallel):
         return None
     import torch

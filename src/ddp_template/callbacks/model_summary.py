@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.utilities.data import extract_batch_size
 
-from ddp_template.flops import training_flops_per_sample
+from ddp_template.worker.flops import training_flops_per_sample
 
 
 def _not_the_skipped_default(record: logging.LogRecord) -> bool:

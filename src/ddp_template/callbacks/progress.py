@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from ddp_template.callbacks.speed import SpeedMonitor
 from ddp_template.errors import ConfigError
-from ddp_template.results import tflops_text
+from ddp_template.worker.results import tflops_text
 
 
 def progress_reporter(
@@ -34,7 +34,7 @@ def on_terminal() -> bool:
     metrics over ranks as it draws, so ranks that differ would wait in different
     collectives. Ranks started by mpirun, srun, jsrun or a PyTorchJob each get their own
     kind of stream (mpirun gave rank 0 a terminal and not the others), so they print lines."""
-    from ddp_template.world import started_by
+    from ddp_template.launch.world import started_by
 
     return sys.stdout.isatty() and started_by() in (None, "torchrun")
 

@@ -25,8 +25,8 @@ import lightning as L
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 
-from ddp_template.comm_hooks import hook_state_dict, load_hook_state_dict
-from ddp_template.rng import derived_seed, numpy_state, plain_numpy_state
+from ddp_template.worker.comm_hooks import hook_state_dict, load_hook_state_dict
+from ddp_template.worker.rng import derived_seed, numpy_state, plain_numpy_state
 
 # Keys that tell the per-rank seed stream from the others drawn from `seed`.
 _RANK_STREAM = 1

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.data import extract_batch_size
 
-from ddp_template.flops import TERA, device_peak_tflops, training_flops_per_sample
-from ddp_template.memory import peak_memory_mb, peak_reserved_mb, reset_peak_memory
+from ddp_template.worker.flops import TERA, device_peak_tflops, training_flops_per_sample
+from ddp_template.worker.memory import peak_memory_mb, peak_reserved_mb, reset_peak_memory
 
 
 class SpeedMonitor(L.Callback):

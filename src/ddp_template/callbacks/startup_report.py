@@ -15,9 +15,9 @@ from rich.table import Table
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_template.callbacks.ddp_settings import read_ddp_settings
-from ddp_template.node_check import describe_nodes
-from ddp_template.resolvers import workers_per_rank
-from ddp_template.topology import available_cores, global_batch_text
+from ddp_template.config.resolvers import workers_per_rank
+from ddp_template.launch.topology import available_cores, global_batch_text
+from ddp_template.worker.node_check import describe_nodes
 
 
 class StartupReport(L.Callback):

@@ -1,5 +1,5 @@
 """`launcher=packed` (conf/launcher/packed.yaml): the sweep's jobs side by side, each on its
-own GPUs and CPU cores. The work is done in `ddp_template.packing`; Hydra imports every
+own GPUs and CPU cores. The work is done in `ddp_template.launch.packing`; Hydra imports every
 module of this namespace at start-up, so this one stays light."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class PackedLauncher(Launcher):
     def launch(
         self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
     ) -> Sequence[JobReturn]:
-        from ddp_template.packing import launch_packed
+        from ddp_template.launch.packing import launch_packed
 
         assert self.config is not None and self.hydra_context is not None
         assert self.task_function is not None

@@ -1,7 +1,7 @@
 """Predicts a run's step time at N nodes from one measured run, for each communication hook
 and bucket size, and recommends the pair that is fastest.
 
-    python -m ddp_template.scaling outputs/<run> --nodes 2,4,8,16 --link 1gbit
+    python -m ddp_template.tools.scaling outputs/<run> --nodes 2,4,8,16 --link 1gbit
 
 The run (any run with `strategy=ddp`, one node is enough; `experiment=benchmark` measures
 step times best) gives the compute per step, the data-loader wait and every gradient's
@@ -46,9 +46,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddp_template.comm_hooks import needs_one_bucket_at_a_time
 from ddp_template.errors import ConfigError, UserFacingError
-from ddp_template.netlab import format_rate, parse_rate
+from ddp_template.tools.netlab import format_rate, parse_rate
+from ddp_template.worker.comm_hooks import needs_one_bucket_at_a_time
 
 HOOKS = ("none", "fp16", "bf16", "powersgd")
 BUCKET_CHOICES_MB = (1, 5, 10, 25, 50, 100)
@@ -372,7 +372,7 @@ def _link(text: str, latency_s: float, lab_prefix: str) -> Link:
         if rate is None:
             raise ConfigError("--link", text, "a link rate, or lab", "e.g. --link 1gbit")
         return Link.rated(rate, latency_s)
-    from ddp_template.netlab import Lab
+    from ddp_template.tools.netlab import Lab
 
     lab = Lab.load(lab_prefix)
     if lab is None:
@@ -380,7 +380,7 @@ def _link(text: str, latency_s: float, lab_prefix: str) -> Link:
             "--link",
             text,
             f"a running netlab to probe (none named {lab_prefix} is up)",
-            "python -m ddp_template.netlab up --rate 1gbit, or give a rate: --link 1gbit",
+            "python -m ddp_template.tools.netlab up --rate 1gbit, or give a rate: --link 1gbit",
         )
     return Link.probed(lab.allreduce_probe())
 
@@ -391,7 +391,7 @@ def _mb(cap: float | None) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ddp_template.scaling", description=__doc__.split("\n\n")[0]
+        prog="python -m ddp_template.tools.scaling", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("job", type=Path, help="a run's folder (its results.json)")
     parser.add_argument("--nodes", default="2,4,8,16", help="node counts, e.g. 2,4,8,16")

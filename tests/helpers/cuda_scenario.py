@@ -54,9 +54,9 @@ def main(scenario: str, on: str) -> None:
     torch._C._cuda_getDeviceCount = counted_by_runtime
     torch.cuda._raw_device_count_nvml = (lambda: 2) if scenario in ("nvml", "mig") else no_nvml
 
-    from ddp_template.checks import resolve_accelerator, resolve_devices
-    from ddp_template.launch import worker_start_method
-    from ddp_template.packing import job_start_method, machine_gpus
+    from ddp_template.config.checks import resolve_accelerator, resolve_devices
+    from ddp_template.launch.agent import worker_start_method
+    from ddp_template.launch.packing import job_start_method, machine_gpus
 
     if on == "launch":
         accelerator = resolve_accelerator("gpu")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from ddp_template import metrics as task_metrics
-from ddp_template.topology import available_cores, global_batch_size, global_batch_text
+from ddp_template.launch.topology import available_cores, global_batch_size, global_batch_text
 
 if TYPE_CHECKING:
     import lightning as L
@@ -39,7 +39,7 @@ def collect_results(
     `<monitor>_best` is the best validation value the checkpoint callback saw."""
     from omegaconf import OmegaConf
 
-    from ddp_template.memory import memory_kind
+    from ddp_template.worker.memory import memory_kind
 
     metrics = fit_metrics
     monitor = cfg.task.monitor
@@ -135,7 +135,7 @@ def _per_rank(metrics: dict[str, float], prefix: str) -> dict[str, float]:
 
 
 def _ddp_settings(metrics: dict[str, float]) -> dict[str, Any] | None:
-    from ddp_template.comm_hooks import COMM_HOOKS
+    from ddp_template.worker.comm_hooks import COMM_HOOKS
 
     logged = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("ddp/")}
     if not logged:
@@ -153,7 +153,7 @@ def _ddp_settings(metrics: dict[str, float]) -> dict[str, Any] | None:
 def _attempts(trainer: L.Trainer) -> dict[str, Any]:
     """`attempts`: how each began, its first step, world size and samples trained
     (attempts.py); `samples_trained`: theirs together, all ranks."""
-    from ddp_template.attempts import AttemptLog
+    from ddp_template.worker.attempts import AttemptLog
 
     logs = [c for c in trainer.callbacks if isinstance(c, AttemptLog)]  # type: ignore[attr-defined]
     if not logs:

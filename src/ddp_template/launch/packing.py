@@ -51,7 +51,11 @@ log = logging.getLogger(__name__)
 # Thread counts a library may read from the environment: a job's share of cores decides.
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 # What every job imports: loaded once in the sweep's process, before the first fork.
-PRELOADED_MODULES = ("ddp_template.checks", "ddp_template.results", "ddp_template.build")
+PRELOADED_MODULES = (
+    "ddp_template.config.checks",
+    "ddp_template.worker.results",
+    "ddp_template.worker.build",
+)
 
 
 @dataclass(frozen=True)
@@ -298,7 +302,7 @@ def _run_in_lanes(
 
 def job_start_method(on_gpus: bool) -> str:
     """How the jobs' processes start: the rule of the workers (`worker_start_method`)."""
-    from ddp_template.launch import worker_start_method
+    from ddp_template.launch.agent import worker_start_method
 
     return worker_start_method(on_cuda=on_gpus)
 
@@ -328,7 +332,7 @@ def _job_process(
     sender: Connection,
 ) -> None:
     """One job, as Hydra's sequential launcher runs it, confined to its lane."""
-    from ddp_template.launch import own_exit_functions
+    from ddp_template.launch.agent import own_exit_functions
 
     task_function = _task_by_reference(task) if isinstance(task, tuple) else task
     if hydra_state is not None:

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from ddp_template.launch import worker_start_method
+from ddp_template.launch.agent import worker_start_method
 
 
 def method() -> str:

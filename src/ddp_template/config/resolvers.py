@@ -13,8 +13,8 @@ import time
 from omegaconf import OmegaConf
 
 from ddp_template import metrics
-from ddp_template.topology import cores_per_process
-from ddp_template.world import OMPI_JOB_ID, started_by
+from ddp_template.launch.topology import cores_per_process
+from ddp_template.launch.world import OMPI_JOB_ID, started_by
 
 STAMP_FORMAT = "%Y-%m-%d/%H-%M-%S"
 
@@ -123,7 +123,7 @@ def on_cuda(accelerator: str) -> bool:
 
 
 def register() -> None:
-    from ddp_template import slurm
+    from ddp_template.launch import slurm
 
     OmegaConf.register_new_resolver("job_stamp", job_stamp, use_cache=True, replace=True)
     OmegaConf.register_new_resolver("if_rank_zero", if_rank_zero, replace=True)

@@ -24,9 +24,9 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from ddp_template.checkpoint_check import newest_complete
+from ddp_template.config.checkpoint_check import newest_complete
 from ddp_template.errors import ConfigError
-from ddp_template.results import RESULTS_FILE
+from ddp_template.worker.results import RESULTS_FILE
 
 SAVED_CONFIG = Path(".hydra") / "config.yaml"
 SWEEP_CONFIG = "multirun.yaml"

@@ -14,17 +14,22 @@ import os
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from ddp_template.build_check import check_by_building
 from ddp_template.callbacks.progress import check_progress
-from ddp_template.checkpoint_check import check_checkpoint
-from ddp_template.compiling import check_compile
-from ddp_template.cuda_devices import VISIBLE, compute_capabilities, lists_mig, visible_devices
+from ddp_template.config.build_check import check_by_building
+from ddp_template.config.checkpoint_check import check_checkpoint
+from ddp_template.config.schema import TRAINER_ARGS_ELSEWHERE, check_types_and_ranges
 from ddp_template.errors import ConfigError
-from ddp_template.launch import processes_started_externally
-from ddp_template.network import check_rendezvous_host
-from ddp_template.schema import TRAINER_ARGS_ELSEWHERE, check_types_and_ranges
-from ddp_template.trackers import check_trackers
-from ddp_template.world import check_restarts, started_by, take_launched_world
+from ddp_template.launch.agent import processes_started_externally
+from ddp_template.launch.cuda_devices import (
+    VISIBLE,
+    compute_capabilities,
+    lists_mig,
+    visible_devices,
+)
+from ddp_template.launch.network import check_rendezvous_host
+from ddp_template.launch.world import check_restarts, started_by, take_launched_world
+from ddp_template.worker.compiling import check_compile
+from ddp_template.worker.trackers import check_trackers
 
 __all__ = ["TRAINER_ARGS_ELSEWHERE", "check_config"]
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")

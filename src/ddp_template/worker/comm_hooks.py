@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_template.rng import numpy_state, plain_numpy_state
+from ddp_template.worker.rng import numpy_state, plain_numpy_state
 
 # Names accepted by `strategy.comm_hook`; the position is the code logged as ddp/comm_hook.
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
@@ -128,7 +128,7 @@ class CommHookDDPStrategy(DDPStrategy):
 
 def check_bf16_support(device: torch.device) -> None:
     """In the worker, on its own GPU (the launching process asks NVML where it can)."""
-    from ddp_template.checks import bf16_refused
+    from ddp_template.config.checks import bf16_refused
     from ddp_template.errors import TrainingStopped
 
     capability = torch.cuda.get_device_capability(device)

@@ -15,8 +15,8 @@ import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ddp_template.checkpoint_io import LAST, previous_of
 from ddp_template.errors import ConfigError
+from ddp_template.worker.checkpoint_io import LAST, previous_of
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -73,7 +73,7 @@ def check_checkpoint(cfg: DictConfig) -> None:
     fit the model this config builds (not the exported `model.pt`, not another task's)."""
     import torch
 
-    from ddp_template.build import build_task
+    from ddp_template.worker.build import build_task
 
     if cfg.get("ckpt_path") is None:
         return

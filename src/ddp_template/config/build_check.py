@@ -17,12 +17,12 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ddp_template.build import build_task, build_trainer, world_size
+from ddp_template.config.schema import as_override
+from ddp_template.config.schema import parameter_default as _default
 from ddp_template.data import drops_lone_sample, require_one_sample_per_rank, training_batches
 from ddp_template.errors import ConfigError, refusal_as_config_error
 from ddp_template.metrics import check_monitor
-from ddp_template.schema import as_override
-from ddp_template.schema import parameter_default as _default
+from ddp_template.worker.build import build_task, build_trainer, world_size
 
 if TYPE_CHECKING:
     from ddp_template.data import ShardedDataModule

@@ -110,7 +110,7 @@ class HalfWrittenCheckpoint(L.Callback):
         self.save = save
 
     def setup(self, trainer, pl_module, stage) -> None:
-        from ddp_template.checkpoint_io import SafeCheckpointIO
+        from ddp_template.worker.checkpoint_io import SafeCheckpointIO
 
         marker = Path(trainer.default_root_dir) / "writing"
         first_slow = self.save

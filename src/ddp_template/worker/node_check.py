@@ -38,9 +38,9 @@ import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
 from torch.distributed.constants import default_pg_timeout
 
-from ddp_template.comm_hooks import CommHookDDPStrategy
 from ddp_template.errors import TrainingStopped
-from ddp_template.network import Endpoint, choose_endpoint, use_endpoint
+from ddp_template.launch.network import Endpoint, choose_endpoint, use_endpoint
+from ddp_template.worker.comm_hooks import CommHookDDPStrategy
 
 # Keys that may differ between nodes: they describe where a node is, not what it trains.
 NODE_LOCAL_KEYS = ("network.interface", "network.node_rank")

@@ -3,10 +3,10 @@ hostname, address, hosts file and CPU cores, joined through a switch by links of
 rate, so that multi-node jobs meet what real nodes have (another address, another
 interface, a link that costs time) instead of `127.0.0.1`.
 
-    python -m ddp_template.netlab up --nodes 2 --rate 1gbit      # idempotent
-    python -m ddp_template.netlab run 1 -- torchrun ... train.py   # a command on node 1
-    python -m ddp_template.netlab probe                            # the link's real rate
-    python -m ddp_template.netlab down
+    python -m ddp_template.tools.netlab up --nodes 2 --rate 1gbit      # idempotent
+    python -m ddp_template.tools.netlab run 1 -- torchrun ... train.py   # a command on node 1
+    python -m ddp_template.tools.netlab probe                            # the link's real rate
+    python -m ddp_template.tools.netlab down
 
 Layout (root only; Linux network namespaces, iproute2's `ip` and `tc`):
   <prefix>-sw        a namespace with a bridge: the switch, nothing else runs there
@@ -300,7 +300,7 @@ class Lab:
         return float(out.strip())
 
     def allreduce_probe(self, megabytes: float = 16, port: int = 29899) -> dict:
-        """A short gloo all-reduce between all nodes (`ddp_template.allreduce_probe`): the
+        """A short gloo all-reduce between all nodes (`ddp_template.tools.allreduce_probe`): the
         latency per hop and the effective bandwidth per dtype, as rank 0 measured them."""
         master = f"{self.nodes[0].address}:{port}"
         env = {**os.environ, "GLOO_SOCKET_IFNAME": self.nodes[0].interface}
@@ -310,7 +310,7 @@ class Lab:
                 [
                     sys.executable,
                     "-m",
-                    "ddp_template.allreduce_probe",
+                    "ddp_template.tools.allreduce_probe",
                     "--rank",
                     str(n.index),
                     "--world",
@@ -439,7 +439,7 @@ def _run(args: list[str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ddp_template.netlab", description=__doc__.split("\n\n")[0]
+        prog="python -m ddp_template.tools.netlab", description=__doc__.split("\n\n")[0]
     )
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="build the lab (or reshape the running one)")
@@ -479,7 +479,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.command == "down":
             return 0
         raise UserFacingError(
-            f"No lab named {args.prefix} is up. Fix: python -m ddp_template.netlab up --prefix {args.prefix}"
+            f"No lab named {args.prefix} is up. Fix: python -m ddp_template.tools.netlab up --prefix {args.prefix}"
         )
     if args.command == "down":
         lab.down()

@@ -1,13 +1,13 @@
 """What an all-reduce really costs between nodes: a short gloo probe, one process per node.
 
-    python -m ddp_template.allreduce_probe --rank R --world W --master HOST:PORT
+    python -m ddp_template.tools.allreduce_probe --rank R --world W --master HOST:PORT
 
 Rank 0 prints one JSON line: the latency of a tiny all-reduce (per ring hop) and, for each
 dtype DDP's hooks send (float32: none and PowerSGD, float16, bfloat16), the effective
 bandwidth of a large one in bit/s, counted as the model counts it (each rank sends
 2 (W - 1) / W of the bytes). That folds in what the link rate alone does not say: the
 TCP stack's and gloo's cost on the node's cores, and gloo's summation of half-width
-numbers on the CPU. `ddp_template.netlab`'s `Lab.allreduce_probe` runs it on every node.
+numbers on the CPU. `ddp_template.tools.netlab`'s `Lab.allreduce_probe` runs it on every node.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A sweep folder -> one comparison table: `report.md`, `report.csv` and `report.png`.
 
     python train.py -m experiment=benchmark recipe=baseline,amp,data,comm
-    python -m ddp_template.report multirun/<date>/<time>_<pid>
+    python -m ddp_template.tools.report multirun/<date>/<time>_<pid>
 
 Each job of the sweep is one row, named by the overrides that differ between the jobs
 (`recipe=amp`, `strategy.bucket_cap_mb=50`, ...), read from the job's `.hydra/overrides.yaml`.
@@ -23,7 +23,7 @@ import yaml
 
 from ddp_template.errors import UserFacingError
 from ddp_template.metrics import best_key
-from ddp_template.results import RESULTS_FILE
+from ddp_template.worker.results import RESULTS_FILE
 
 OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
 OUTPUTS = ("report.md", "report.csv", "report.png")
@@ -154,7 +154,7 @@ def _no_results_message(folder: Path, jobs: list[Path]) -> str:
     if not folder.is_dir():
         return (
             f"{folder} is not a folder. Point the report at a sweep folder, e.g. "
-            "`python -m ddp_template.report multirun/<date>/<time>_<pid>` after "
+            "`python -m ddp_template.tools.report multirun/<date>/<time>_<pid>` after "
             "`python train.py -m experiment=benchmark recipe=baseline,amp,data,comm`."
         )
     if jobs:
@@ -416,7 +416,7 @@ def _memory_note(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ddp_template.report",
+        prog="python -m ddp_template.tools.report",
         description="Compare the jobs of a sweep: report.md, report.csv, report.png.",
     )
     parser.add_argument("folder", help="a sweep folder, e.g. multirun/<date>/<time>_<pid>")

@@ -14,17 +14,17 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import Strategy
 from omegaconf import DictConfig, OmegaConf
 
-from ddp_template.attempts import AttemptLog
 from ddp_template.callbacks.loader_position import LoaderPosition
 from ddp_template.callbacks.model_summary import TrainingFlopsSummary
 from ddp_template.callbacks.progress import on_terminal
 from ddp_template.callbacks.resume_agreement import ResumeAgreement
 from ddp_template.callbacks.shared_disk import SharedDiskCheck
-from ddp_template.checkpoint_io import SafeCheckpointIO
-from ddp_template.environments import cluster_environment
 from ddp_template.errors import ConfigError
-from ddp_template.node_check import NodeCheckedDDPStrategy, flat_config
-from ddp_template.trackers import log_config
+from ddp_template.launch.environments import cluster_environment
+from ddp_template.worker.attempts import AttemptLog
+from ddp_template.worker.checkpoint_io import SafeCheckpointIO
+from ddp_template.worker.node_check import NodeCheckedDDPStrategy, flat_config
+from ddp_template.worker.trackers import log_config
 
 
 def build_task(cfg: DictConfig) -> tuple[L.LightningDataModule, L.LightningModule]:

@@ -30,9 +30,9 @@ from omegaconf.errors import (
 )
 
 from ddp_template.callbacks.watchdog import ON_HANG
-from ddp_template.comm_hooks import COMM_HOOKS
 from ddp_template.debug import DISTRIBUTED_DEBUG_LEVELS
 from ddp_template.errors import ConfigError, unknown_key_error
+from ddp_template.worker.comm_hooks import COMM_HOOKS
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance

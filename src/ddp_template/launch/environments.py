@@ -17,7 +17,7 @@ from lightning.fabric.plugins.environments import (
     SLURMEnvironment,
 )
 
-from ddp_template.world import OMPI_JOB_ID, interactive_srun_task, started_by
+from ddp_template.launch.world import OMPI_JOB_ID, interactive_srun_task, started_by
 
 
 def cluster_environment() -> ClusterEnvironment | None:

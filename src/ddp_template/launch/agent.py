@@ -47,7 +47,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError, Rendezvous
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ddp_template.errors import TrainingStopped, UserFacingError, WorkerFailed
-from ddp_template.world import started_by
+from ddp_template.launch.world import started_by
 
 Worker = Callable[[dict[str, Any]], Any]
 
@@ -215,7 +215,10 @@ def worker_start_method(on_cuda: bool) -> str:
     through the CUDA runtime (MIG, no NVML; see `cuda_devices`). Workers on the CPU never
     touch CUDA, so such a fork serves them.
     """
-    from ddp_template.cuda_devices import forked_child_can_use_cuda, threads_a_fork_would_lose
+    from ddp_template.launch.cuda_devices import (
+        forked_child_can_use_cuda,
+        threads_a_fork_would_lose,
+    )
 
     if sys.platform != "linux" or threads_a_fork_would_lose() > 0:
         return "spawn"

@@ -1,0 +1,1 @@
+"""Composing and checking a run's config, before any worker process starts: types and ranges (schema), every value that depends on the machine (checks), the real objects built once and dropped (build_check), plugins and keys of the command line, the resolvers of conf/, checkpoints given as `ckpt_path` and the folder `resume=true` continues."""

@@ -1,0 +1,1 @@
+"""Starting the worker processes of a job: the elastic agent of a run started here (agent), who started the processes and how many (world), SLURM and packed sweeps, Lightning's cluster environments, CUDA devices as the launching process sees them, cores per process, which network address and interface the ranks use, and an Optuna study continued."""

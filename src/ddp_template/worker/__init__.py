@@ -1,0 +1,1 @@
+"""What runs inside each rank: the Lightning objects built from the config, the check of the nodes before the process group, communication hooks, compile, preemption, checkpoints that cannot be torn and the attempts they carry, generator states, memory, FLOPs, debugging aids, trackers and the results a run leaves."""
