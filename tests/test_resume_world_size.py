@@ -12,7 +12,11 @@ import pytest
 from conftest import results, train
 from torch.utils.data import Dataset
 
-from ddp_template.data import ResumableDataLoader, ResumableDistributedSampler, SeededSamples
+from ddp_template.worker.resumable_loader import (
+    ResumableDataLoader,
+    ResumableDistributedSampler,
+    SeededSamples,
+)
 
 
 class _Ids(Dataset):

@@ -22,11 +22,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from ddp_template.config import resolvers
+from ddp_template.config import CONFIG_DIR, resolvers
 from ddp_template.errors import UserFacingError
 from ddp_template.launch.agent import record_failures
-
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 resolvers.register()
 

@@ -21,8 +21,8 @@ from typing import cast
 
 import lightning as L
 
-from ddp_template.data import ResumableDataLoader, ResumableDistributedSampler
 from ddp_template.optim import fit_schedule_to_resumed_run
+from ddp_template.worker.resumable_loader import ResumableDataLoader, ResumableDistributedSampler
 
 _COUNTERS = ("ready", "started", "processed", "completed")
 

@@ -28,6 +28,7 @@ from ddp_template.launch.cuda_devices import (
 )
 from ddp_template.launch.network import check_rendezvous_host
 from ddp_template.launch.world import check_restarts, started_by, take_launched_world
+from ddp_template.worker.comm_hooks import bf16_refused
 from ddp_template.worker.compiling import check_compile
 from ddp_template.worker.trackers import check_trackers
 
@@ -189,16 +190,6 @@ def _check_devices_support(cfg: DictConfig) -> None:
     for key, value, fix in refused:
         if key == "debug" or OmegaConf.select(cfg, key) == value:
             raise ConfigError(key, value, f"only on CUDA, and accelerator={cfg.accelerator}", fix)
-
-
-def bf16_refused(capability: tuple[int, int]) -> ConfigError:
-    return ConfigError(
-        "strategy.comm_hook",
-        "bf16",
-        "bf16 compression needs a GPU with bfloat16 support (compute capability 8.0, Ampere, "
-        f"or newer); this one has {capability[0]}.{capability[1]}",
-        "use strategy.comm_hook=fp16",
-    )
 
 
 def _check_distributed_debug(cfg: DictConfig) -> None:

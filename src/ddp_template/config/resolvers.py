@@ -13,6 +13,8 @@ import time
 from omegaconf import OmegaConf
 
 from ddp_template import metrics
+from ddp_template.launch import slurm
+from ddp_template.launch.cuda_devices import on_cuda
 from ddp_template.launch.topology import cores_per_process
 from ddp_template.launch.world import OMPI_JOB_ID, started_by
 
@@ -111,20 +113,7 @@ def workers_per_rank(processes_per_node: object, minimum: int = 1) -> int:
     return max(minimum, cores_per_process(processes) - 1)
 
 
-def on_cuda(accelerator: str) -> bool:
-    """Whether the run trains on CUDA devices (`auto` counts when a GPU is visible)."""
-    if accelerator in ("cuda", "gpu"):
-        return True
-    if accelerator == "auto":
-        import torch
-
-        return torch.cuda.is_available()
-    return False
-
-
 def register() -> None:
-    from ddp_template.launch import slurm
-
     OmegaConf.register_new_resolver("job_stamp", job_stamp, use_cache=True, replace=True)
     OmegaConf.register_new_resolver("if_rank_zero", if_rank_zero, replace=True)
     OmegaConf.register_new_resolver("rank_zero_file", rank_zero_file, replace=True)

@@ -362,7 +362,7 @@ def _type_error(key: str, unknown: bool, schema: type, value: Any) -> ConfigErro
 def train_config_default(key: str) -> Any:
     """The value conf/train.yaml itself gives `key` (MISSING where it gives none, or one
     from another file or an interpolation): the schema's dataclasses hold no defaults."""
-    from ddp_template.train import CONFIG_DIR
+    from ddp_template.config import CONFIG_DIR
 
     value = OmegaConf.select(
         OmegaConf.load(f"{CONFIG_DIR}/train.yaml"), key, default=MISSING, throw_on_missing=False

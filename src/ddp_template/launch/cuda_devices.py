@@ -122,3 +122,14 @@ def compute_capabilities() -> list[tuple[int, int]] | None:
         return capabilities
     finally:
         nvml.nvmlShutdown()
+
+
+def on_cuda(accelerator: str) -> bool:
+    """Whether the run trains on CUDA devices (`auto` counts when a GPU is visible)."""
+    if accelerator in ("cuda", "gpu"):
+        return True
+    if accelerator == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return False

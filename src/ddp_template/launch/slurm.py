@@ -19,8 +19,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from ddp_template.config.resolvers import on_cuda
 from ddp_template.errors import ConfigError
+from ddp_template.launch.cuda_devices import on_cuda
 
 # More CPUs per task than this rarely helps one training process (data loading workers).
 MAX_CPUS_PER_TASK = 8

@@ -1,1 +1,2 @@
-"""Command-line tools beside training: the multi-node lab (netlab), the all-reduce probe, the scaling model, and the report of a sweep."""
+"""Command-line tools beside training, `python -m ddp_template.tools.<name>`: the multi-node
+lab (netlab), the all-reduce probe, the scaling model (scaling) and a sweep's report."""

@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import lightning as L
 
-from ddp_template.data import ResumableDataLoader
+from ddp_template.worker.resumable_loader import ResumableDataLoader
 
 
 def restart_count() -> int:

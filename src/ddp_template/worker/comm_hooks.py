@@ -24,6 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_template.errors import ConfigError
 from ddp_template.worker.rng import numpy_state, plain_numpy_state
 
 # Names accepted by `strategy.comm_hook`; the position is the code logged as ddp/comm_hook.
@@ -128,7 +129,6 @@ class CommHookDDPStrategy(DDPStrategy):
 
 def check_bf16_support(device: torch.device) -> None:
     """In the worker, on its own GPU (the launching process asks NVML where it can)."""
-    from ddp_template.config.checks import bf16_refused
     from ddp_template.errors import TrainingStopped
 
     capability = torch.cuda.get_device_capability(device)
@@ -285,3 +285,13 @@ def _clear(state) -> None:
     state.error_dict.clear()
     state.p_memory_dict.clear()
     state.q_memory_dict.clear()
+
+
+def bf16_refused(capability: tuple[int, int]) -> ConfigError:
+    return ConfigError(
+        "strategy.comm_hook",
+        "bf16",
+        "bf16 compression needs a GPU with bfloat16 support (compute capability 8.0, Ampere, "
+        f"or newer); this one has {capability[0]}.{capability[1]}",
+        "use strategy.comm_hook=fp16",
+    )

@@ -291,7 +291,7 @@ def resume_command(checkpoint: Path) -> str:
     (its folder, the job's overrides) and the project's `train.py`."""
     from hydra.core.hydra_config import HydraConfig
 
-    from ddp_template.train import CONFIG_DIR
+    from ddp_template.config import CONFIG_DIR
 
     hydra = HydraConfig.get()
     folder = Path(hydra.runtime.cwd)
