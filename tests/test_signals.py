@@ -242,3 +242,23 @@ def test_the_preemption_cost_benchmark_prints_every_mode_side_by_side() -> None:
         step, check, _extra = (float(x) for x in line.split()[-4:-1])
         assert step > 0 and check >= 0
     assert table[-1].endswith(" 1.0x") and table[0].endswith(" -")
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_one_process_run_exits_with_the_resume_line(tmp_path: Path) -> None:
+    """Lightning ends a run at SIGTERM with a SystemExit that has no code: a run trained in
+    the launching process would exit 0, as if it had finished."""
+    one_process = [a for a in LONG_DDP if a not in ("strategy=ddp", "devices=2", "debug=watchdog")]
+    proc = _start([*one_process, "devices=1"], tmp_path)
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    deadline = time.time() + 300
+    while not last.is_file():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    (line,) = [x for x in err.splitlines() if x.startswith("error:")]
+    assert line.startswith(f"error: stopped by SIGTERM; the last checkpoint is {last}")
+    assert not (tmp_path / "run" / "results.json").exists()

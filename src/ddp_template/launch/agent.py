@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import (
     ChildFailedError,
     ProcessFailure,
@@ -126,7 +127,7 @@ def launch(
 ) -> Any:
     """Runs `worker(config)` once per local device and returns rank 0's return value."""
     if processes_started_externally() or (nproc_per_node == 1 and nodes is None):
-        return worker(config)
+        return _in_this_process(worker, config)
 
     # A fresh rendezvous store for each attempt: with the agent's shared store, restarted
     # gloo workers read the dead workers' addresses and fail to connect (or hang).
@@ -185,6 +186,18 @@ def _nodes_did_not_meet(nodes: Nodes, failure: Exception) -> UserFacingError:
         f"({type(failure).__name__}): node 0, which hosts it, stopped. Fix: see node 0's "
         "output for why (its message names the cause)"
     )
+
+
+def _in_this_process(worker: Worker, config: dict[str, Any]) -> Any:
+    """Runs the worker here. Lightning ends a run at SIGTERM with `SIGTERMException`, a
+    SystemExit without a code: the process would exit 0, as if the run had finished. It
+    becomes the signal it is, which train.py reports with the command that resumes."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    try:
+        return worker(config)
+    except SIGTERMException:
+        raise SignalException("stopped by SIGTERM", signal.SIGTERM) from None
 
 
 @contextmanager
