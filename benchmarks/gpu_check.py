@@ -52,7 +52,8 @@ from gpu_check_report import (
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
-TESTS = ROOT / "tests"
+# The faults the watchdog part plants (tests/helpers/faults.py).
+HELPERS = ROOT / "tests" / "helpers"
 JSON_FILE = "gpu_check.json"
 REPORT_FILE = "gpu_report.md"
 
@@ -106,7 +107,7 @@ class Check:
         timeout = self.remaining() if limit_s is None else min(limit_s, self.remaining())
         if timeout <= 0:
             raise OutOfTime(f"{name}: no time left to start it")
-        paths = [str(BENCHMARKS), str(TESTS), os.environ.get("PYTHONPATH", "")]
+        paths = [str(BENCHMARKS), str(HELPERS), os.environ.get("PYTHONPATH", "")]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
         env["PYTHONUNBUFFERED"] = "1"
         start = time.monotonic()
