@@ -19,8 +19,8 @@ import torch
 from conftest import (
     FAST,
     FIRST_EPOCH_STEPS,
+    HELPERS,
     ROOT,
-    TESTS,
     TWO_EPOCHS,
     interrupt_after_first_epoch,
     results,
@@ -113,7 +113,7 @@ TERM_AT_STEP = 45  # epoch 2, batch 5: `scontrol requeue`, SIGTERM to every rank
 def _env() -> dict[str, str]:
     return {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(HELPERS), os.environ.get("PYTHONPATH")])),
         "PYTHONUNBUFFERED": "1",
     }
 
