@@ -1,12 +1,13 @@
 """Training steps of one process on a machine whose cores are also busy with other work:
-torch's threads spinning (OpenMP's default wait) or sleeping (`OMP_WAIT_POLICY=PASSIVE`,
-what `train.py` sets), and one thread.
+torch's threads spinning while they wait (OpenMP's default), spinning briefly and then
+sleeping (`GOMP_SPINCOUNT=10000`, what `train.py` sets), sleeping at once
+(`OMP_WAIT_POLICY=PASSIVE`), and one thread.
 
-Each measurement is a fresh process that trains the default task's model (ResNet-18 on
-8x8 images, batch 64) for `--seconds` and prints samples/s. The configurations alternate,
-`--repeats` times, on a quiet machine and beside one busy loop per core (the "load"); the
-table gives the medians side by side, and the last line the ratio of sleeping to spinning
-threads under load.
+Each configuration is a fresh process that trains the default task's model (ResNet-18 on
+8x8 images, batch 64) for `--seconds` on the quiet machine, then as long beside one busy
+loop per core (the "load"), and prints samples/s for each. The configurations alternate,
+`--repeats` times; the table gives the medians side by side, and the last line the ratio of
+train.py's threads to OpenMP's default under load.
 
     .venv/bin/python benchmarks/threads_under_load.py              # 3 repeats of 5 s each
     .venv/bin/python benchmarks/threads_under_load.py --tiny       # one short repeat (a test)
@@ -32,19 +33,23 @@ model = torchvision.models.resnet18(num_classes=10)
 batch = torch.randn(64, 3, 8, 8)
 for _ in range(2):
     model(batch).sum().backward()
-start, steps = time.perf_counter(), 0
-while time.perf_counter() - start < seconds:
-    model(batch).sum().backward()
-    steps += 1
-print(steps * 64 / (time.perf_counter() - start))
+for _ in ("quiet", "loaded"):
+    sys.stdin.readline()  # the benchmark says go once the cores are as they should be
+    start, steps = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        model(batch).sum().backward()
+        steps += 1
+    print(steps * 64 / (time.perf_counter() - start), flush=True)
 """
 
-# name -> (torch threads, OMP_WAIT_POLICY or None for OpenMP's default)
+# name -> (torch threads, the OpenMP variables; none: OpenMP's default)
 CONFIGS = {
-    "all cores, threads spin (OpenMP default)": (0, None),
-    "all cores, threads sleep (PASSIVE, train.py)": (0, "PASSIVE"),
-    "one thread": (1, None),
+    "all cores, threads spin (OpenMP default)": (0, {}),
+    "all cores, spin briefly, sleep (train.py)": (0, {"GOMP_SPINCOUNT": "10000"}),
+    "all cores, threads sleep (PASSIVE)": (0, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    "one thread": (1, {}),
 }
+OPENMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
 
 
 def parse_args() -> argparse.Namespace:
@@ -55,19 +60,30 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def samples_per_second(threads: int, wait_policy: str | None, seconds: float) -> float:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
-    if wait_policy:
-        env["OMP_WAIT_POLICY"] = wait_policy
+def quiet_and_loaded(threads: int, openmp: dict[str, str], seconds: float) -> tuple[float, float]:
+    """Samples/s of one process, on the quiet cores and then beside the busy loops (one
+    process for both: its OpenMP runtime reads the wait policy once, when it loads)."""
+    env = {k: v for k, v in os.environ.items() if k not in OPENMP_VARIABLES}
+    env.update(openmp)
     cores = len(os.sched_getaffinity(0))
-    out = subprocess.run(
+    child = subprocess.Popen(
         [sys.executable, "-c", STEPS, str(threads or cores), str(seconds)],
         env=env,
-        capture_output=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
         text=True,
-        check=True,
     )
-    return float(out.stdout.strip().splitlines()[-1])
+    assert child.stdin and child.stdout
+    child.stdin.write("go\n")
+    child.stdin.flush()
+    quiet = float(child.stdout.readline())
+    with busy_cores():
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        loaded = float(child.stdout.readline())
+    if child.wait() != 0:
+        raise RuntimeError(f"the measuring process failed with exit code {child.returncode}")
+    return quiet, loaded
 
 
 @contextmanager
@@ -85,20 +101,21 @@ def busy_cores() -> Iterator[None]:
             loop.wait()
 
 
-def measure(repeats: int, seconds: float) -> dict[str, list[float]]:
-    figures: dict[str, list[float]] = {name: [] for name in CONFIGS}
+def measure(repeats: int, seconds: float) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    quiet: dict[str, list[float]] = {name: [] for name in CONFIGS}
+    loaded: dict[str, list[float]] = {name: [] for name in CONFIGS}
     for _ in range(repeats):
-        for name, (threads, policy) in CONFIGS.items():
-            figures[name].append(samples_per_second(threads, policy, seconds))
-    return figures
+        for name, (threads, openmp) in CONFIGS.items():
+            alone, beside = quiet_and_loaded(threads, openmp, seconds)
+            quiet[name].append(alone)
+            loaded[name].append(beside)
+    return quiet, loaded
 
 
 def main() -> None:
     args = parse_args()
     repeats, seconds = (1, 0.5) if args.tiny else (args.repeats, args.seconds)
-    quiet = measure(repeats, seconds)
-    with busy_cores():
-        loaded = measure(repeats, seconds)
+    quiet, loaded = measure(repeats, seconds)
     cores = len(os.sched_getaffinity(0))
     print(f"{cores} cores; median samples/s of {repeats} run(s) of {seconds:g} s each")
     print(f"{'configuration':<48} {'quiet':>8} {'loaded':>8}")
@@ -106,9 +123,9 @@ def main() -> None:
         print(
             f"{name:<48} {statistics.median(quiet[name]):>8.0f} {statistics.median(loaded[name]):>8.0f}"
         )
-    spin = statistics.median(loaded["all cores, threads spin (OpenMP default)"])
-    sleep = statistics.median(loaded["all cores, threads sleep (PASSIVE, train.py)"])
-    print(f"under load, sleeping / spinning threads: {sleep / spin:.1f}x")
+    default = statistics.median(loaded["all cores, threads spin (OpenMP default)"])
+    brief = statistics.median(loaded["all cores, spin briefly, sleep (train.py)"])
+    print(f"under load, train.py's threads / OpenMP's default: {brief / default:.1f}x")
 
 
 if __name__ == "__main__":

@@ -136,7 +136,8 @@ import os, sys
 class SeeTorchImport:
     def find_spec(self, name, path=None, target=None):
         if name == "torch":
-            print("OMP_WAIT_POLICY at torch import:", os.environ.get("OMP_WAIT_POLICY"))
+            seen = [os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")]
+            print("at torch import:", *seen)
             sys.meta_path.remove(self)
         return None
 sys.meta_path.insert(0, SeeTorchImport())
@@ -144,21 +145,27 @@ import ddp_template.train
 """
 
 
-@pytest.mark.parametrize(("exported", "expected"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
-def test_openmp_threads_sleep_unless_the_user_says_otherwise(exported, expected) -> None:
-    """OpenMP reads its wait policy once, when torch loads it: `train.py` sets it first."""
-    env = {k: v for k, v in subprocess_env().items() if k != "OMP_WAIT_POLICY"}
-    if exported:
-        env["OMP_WAIT_POLICY"] = exported
+@pytest.mark.parametrize(
+    ("exported", "expected"),
+    [
+        ({}, "None 10000"),
+        ({"GOMP_SPINCOUNT": "300000"}, "None 300000"),
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE None"),
+    ],
+)
+def test_openmp_threads_spin_briefly_unless_the_user_says_otherwise(exported, expected) -> None:
+    """OpenMP reads how its threads wait once, when torch loads it: `train.py` sets it first."""
+    variables = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+    env = {k: v for k, v in subprocess_env().items() if k not in variables}
     proc = subprocess.run(
         [sys.executable, "-c", _POLICY_AT_TORCH_IMPORT],
         capture_output=True,
         text=True,
         timeout=120,
-        env=env,
+        env={**env, **exported},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"OMP_WAIT_POLICY at torch import: {expected}" in proc.stdout
+    assert f"at torch import: {expected}" in proc.stdout
 
 
 @pytest.mark.slow
@@ -172,6 +179,6 @@ def test_threads_under_load_benchmark_prints_its_figures() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
-    for name in ("threads spin", "threads sleep", "one thread"):
+    for name in ("threads spin", "spin briefly", "threads sleep", "one thread"):
         assert any(name in line and re.search(r"\d+ +\d+$", line) for line in lines), proc.stdout
-    assert re.fullmatch(r"under load, sleeping / spinning threads: \d+\.\dx", lines[-1])
+    assert re.fullmatch(r"under load, train.py's threads / OpenMP's default: \d+\.\dx", lines[-1])
