@@ -233,7 +233,9 @@ def _rejoined_by_torchrun(cfg: DictConfig) -> bool:
 
 def last_checkpoint(cfg: DictConfig) -> Path:
     """Where the job's newest state is saved (callbacks.last_checkpoint, preemption)."""
-    return Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
+    from ddp_template.config.resume_folder import last_checkpoint_of
+
+    return last_checkpoint_of(Path(cfg.paths.output_dir))
 
 
 def _share_cpu_cores(local_processes: int) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from ddp_template.config import dotted
 from ddp_template.config.checkpoint_check import newest_complete
 from ddp_template.errors import ConfigError
 from ddp_template.worker.results import RESULTS_FILE
@@ -53,8 +54,8 @@ def last_checkpoint_of(job_dir: Path) -> Path:
 def config_differences(saved: DictConfig | dict, composed: DictConfig | dict) -> list[str]:
     """`key (saved there, here now)` for each key, outside MAY_CHANGE, whose value differs
     (interpolations compared as written, not resolved)."""
-    before = _flat(OmegaConf.to_container(OmegaConf.create(saved), resolve=False))
-    after = _flat(OmegaConf.to_container(OmegaConf.create(composed), resolve=False))
+    before = dotted(OmegaConf.to_container(OmegaConf.create(saved), resolve=False))
+    after = dotted(OmegaConf.to_container(OmegaConf.create(composed), resolve=False))
     missing = object()
     differ = []
     for key in sorted(set(before) | set(after)):
@@ -103,15 +104,6 @@ def _without_resume(value: Any) -> Any:
         if not (changeable and not parsed.is_sweep_override()):
             kept.append(override)
     return kept
-
-
-def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, dict):
-        flat: dict[str, Any] = {}
-        for key, value in node.items():
-            flat.update(_flat(value, f"{prefix}{key}."))
-        return flat or {prefix.rstrip("."): {}}
-    return {prefix.rstrip("."): node}
 
 
 def _shown(value: Any, missing: object) -> str:

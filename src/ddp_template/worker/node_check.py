@@ -301,16 +301,9 @@ def flat_config(cfg: Any) -> dict[str, Any]:
     """The resolved config as `dotted.key: value`, as the nodes compare it."""
     from omegaconf import OmegaConf
 
-    return _flat(OmegaConf.to_container(cfg, resolve=True))
+    from ddp_template.config import dotted
 
-
-def _flat(config: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(config, dict):
-        flat: dict[str, Any] = {}
-        for key, value in config.items():
-            flat.update(_flat(value, f"{prefix}{key}."))
-        return flat
-    return {prefix.rstrip("."): config}
+    return dotted(OmegaConf.to_container(cfg, resolve=True))
 
 
 def _first_line(err: BaseException) -> str:
