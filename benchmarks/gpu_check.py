@@ -436,7 +436,7 @@ def single_rows(check: Check) -> list[tuple[str, list[str]]]:
 
 def benchmark_row(results: dict[str, Any]) -> dict[str, Any]:
     reference = "tf32" if results["precision_used"] in ("32-true", "32") else "mixed"
-    reserved = results.get("peak_reserved_memory_mb_per_rank") or {}
+    reserved = results.get("peak_reserved_memory_mb_over_ranks") or {}
     return {
         "status": "passed",
         "images_per_sec": results["samples_per_sec"],
@@ -446,7 +446,7 @@ def benchmark_row(results: dict[str, Any]) -> dict[str, Any]:
         "step_time_median_s": results["step_time_median_s"],
         "data_wait_fraction": results["data_wait_fraction"],
         "peak_memory_mb": results["peak_memory_mb"],
-        "peak_reserved_memory_mb": max(reserved.values()) if reserved else None,
+        "peak_reserved_memory_mb": reserved.get("max"),
         "memory_kind": results["memory_kind"],
         "precision_used": results["precision_used"],
         "loader_workers": results["config"]["data"]["num_workers"],

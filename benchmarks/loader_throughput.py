@@ -56,10 +56,10 @@ def build_loader(root: Path, loader: str, accelerator: str, batch_size: int, ima
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from ddp_template.build import build_task
     from ddp_template.config import resolvers
-    from ddp_template.config.checks import check_config
+    from ddp_template.config.checks import resolve_and_check
     from ddp_template.train import CONFIG_DIR
-    from ddp_template.worker.build import build_task
 
     resolvers.register()
     overrides = [
@@ -74,7 +74,7 @@ def build_loader(root: Path, loader: str, accelerator: str, batch_size: int, ima
         cfg = compose("train", overrides=overrides)
     OmegaConf.set_struct(cfg, False)
     cfg.paths.output_dir = str(root)
-    check_config(cfg)
+    resolve_and_check(cfg)
     datamodule, _ = build_task(cfg)
     datamodule.setup("fit")
     return datamodule.train_dataloader(), cfg

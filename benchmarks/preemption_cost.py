@@ -7,7 +7,7 @@ Lightning's loop reads before every step: two host syncs per step); the blocking
 
 Every rank runs the same small DDP training loop (an MLP on random data) in the three
 modes, alternating their order between repetitions, and times each step and the check
-inside it (`ddp_template.worker.preemption.FlagAgreement.step`, what the callback calls at every
+inside it (`ddp_template.resume.preemption.FlagAgreement.step`, what the callback calls at every
 optimizer step). Prints one line per repetition and mode, then the medians, per step in
 microseconds: the step, the check, the step's extra time over no check, and the check's
 ratio to the deferred one. The figures are the slowest rank's (each step waits for it).
@@ -90,7 +90,7 @@ def _steps(args, model, optimizer, data, agreement, broadcast: bool, count: int)
 def worker(rank: int, args: argparse.Namespace, port: int, queue) -> None:
     # Here, not at the top: the launching process has no use for Lightning's import time.
     sys.path.insert(0, str(SRC))
-    from ddp_template.worker.preemption import FlagAgreement
+    from ddp_template.resume.preemption import FlagAgreement
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -9,6 +9,9 @@ to the end of this one; warm-up steps and the first step of each epoch are not t
 
     torchrun --standalone --nproc-per-node 2 benchmarks/raw_ddp.py --out raw.json
 
+It does not set torch's OpenMP thread policy itself (`train.py` sets `GOMP_SPINCOUNT=10000`
+before torch loads): `benchmarks/overhead.py` exports the same policy to both sides.
+
 `--milestones FILE`: rank 0 also writes when it reached each point of its start-up (for
 `benchmarks/startup.py`).
 """

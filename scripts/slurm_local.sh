@@ -79,7 +79,12 @@ start_munge() {
   su -s /bin/sh munge -c /usr/sbin/munged
 }
 
-running() { pgrep -x "$1" >/dev/null; }
+# A daemon of this cluster, by its pid file: another cluster's slurmctld or slurmd may run on
+# this machine too (the lab's SLURM, ddp_template.tools.slurm_lab). munged is shared.
+running() {
+  if [ "$1" = munged ]; then pgrep -x munged >/dev/null; return; fi
+  [ -s "$STATE/$1.pid" ] && kill -0 "$(cat "$STATE/$1.pid")" 2>/dev/null
+}
 
 node_state() { sinfo -h -N -o '%T' 2>/dev/null | head -1; }
 

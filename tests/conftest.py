@@ -1,141 +1,17 @@
-"""Helpers: run `python train.py` as a real subprocess, the way users do.
+"""pytest's hooks and fixtures. What the tests share is in `tests/helpers/runs.py`
+(`from helpers.runs import train, results, ...`).
 
-Every run and every composed config trains on the CPU unless the test says otherwise
-(`accelerator=...` among its overrides): the same suite then passes on machines with and
-without GPUs. Tests of GPU paths carry `@pytest.mark.gpu(N)`, N being the GPUs they need;
-they run where that many CUDA devices are visible and are skipped with the reason elsewhere.
+Tests of GPU paths carry `@pytest.mark.gpu(N)`, N being the GPUs they need; they run where
+that many CUDA devices are visible and are skipped with the reason elsewhere.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
-# What the tests plant in runs (probes, faults) and start as scripts.
-HELPERS = TESTS / "helpers"
-sys.path.insert(0, str(HELPERS))
-
-# Pins the CPU: the tests check CPU behaviour (gloo, host memory, bf16 for 16-mixed).
-CPU = "accelerator=cpu"
-
-# Small, quick runs: a few batches, no per-epoch noise.
-FAST = [
-    CPU,
-    "trainer.max_epochs=1",
-    "trainer.limit_train_batches=3",
-    "trainer.limit_val_batches=2",
-    "trainer.limit_test_batches=2",
-    "trainer.num_sanity_val_steps=0",
-    "trainer.enable_model_summary=false",
-    "logger=none",
-]
-
-# Two epochs of FIRST_EPOCH_STEPS steps: last.prev.ckpt is the end of epoch 1, last.ckpt
-# the end of epoch 2.
-TWO_EPOCHS = [
-    *[o for o in FAST if not o.startswith(("trainer.max_epochs", "trainer.limit_train"))],
-    "trainer.max_epochs=2",
-    "trainer.limit_train_batches=2",
-]
-FIRST_EPOCH_STEPS = 2
-
-
-def interrupt_after_first_epoch(job: Path) -> None:
-    """The state a job killed during its second epoch leaves: the first epoch's checkpoint
-    as last.ckpt, no results."""
-    (job / "results.json").unlink()
-    checkpoints = job / "checkpoints"
-    (checkpoints / "last.prev.ckpt").replace(checkpoints / "last.ckpt")
-
-
-def on_cpu_unless_told(overrides: tuple[str, ...] | list[str]) -> list[str]:
-    """The overrides, plus `accelerator=cpu` when they name no accelerator."""
-    if any(o.lstrip("+~").startswith("accelerator=") for o in overrides):
-        return list(overrides)
-    return [*overrides, CPU]
-
-
-def train(
-    *overrides: str, cwd: Path, timeout: float = 600, check: bool = True
-) -> subprocess.CompletedProcess:
-    overrides = tuple(on_cpu_unless_told(overrides))
-    env = subprocess_env()
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *overrides],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"train.py {' '.join(overrides)} exited {proc.returncode}\n"
-            f"--- stdout ---\n{proc.stdout[-5000:]}\n--- stderr ---\n{proc.stderr[-5000:]}"
-        )
-    return proc
-
-
-def subprocess_env(**extra: str) -> dict[str, str]:
-    """The environment of a process a test starts: the test helpers importable (faults,
-    probes), kept before a PYTHONPATH set by the caller (a copy of the project)."""
-    path = os.pathsep.join(filter(None, [str(HELPERS), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **extra}
-
-
-def start(
-    args: list[str], cwd: Path, env: dict[str, str] | None = None, **popen: object
-) -> subprocess.Popen:
-    """Starts a command (train.py, torchrun) in the background, its output captured."""
-    return subprocess.Popen(
-        args,
-        cwd=cwd,
-        env=subprocess_env(**(env or {})),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **popen,
-    )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def results(run_dir: Path) -> dict:
-    return json.loads((run_dir / "results.json").read_text())
-
-
-def probes(run_dir: Path) -> list[dict]:
-    files = sorted((run_dir / "probe").glob("rank_*.json"), key=lambda p: int(p.stem.split("_")[1]))
-    return [json.loads(f.read_text()) for f in files]
-
-
-def compose_train(*overrides: str):
-    """The training config as Hydra composes it, in this process (no job folder); on the
-    CPU unless the overrides name an accelerator."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import open_dict
-
-    from ddp_template.config import resolvers
-    from ddp_template.train import CONFIG_DIR
-
-    resolvers.register()
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("train", overrides=on_cpu_unless_told(overrides))
-    with open_dict(cfg):
-        cfg.paths.output_dir = "unused"
-    return cfg
+from helpers.runs import cuda_devices
 
 
 @pytest.fixture
@@ -143,10 +19,17 @@ def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
 
 
-def cuda_devices() -> int:
-    import torch
-
-    return torch.cuda.device_count()
+@pytest.fixture(autouse=True)
+def _environment_as_it_was():
+    """Each test leaves this process's environment as it found it. Lightning's cluster
+    environments write MASTER_ADDR and MASTER_PORT into os.environ when a test builds a
+    Trainer in-process (LSF's did: the hostname); the processes later tests start inherit
+    os.environ, and a leaked MASTER_ADDR became their rendezvous address."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -170,6 +53,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                     reason=f"needs {needed} CUDA GPU(s); {visible} visible on this machine"
                 )
             )
+
+
+def on_ci() -> bool:
+    """CI sets CI=true (so does .ci/run): there every service the tests need is installed."""
+    return os.environ.get("CI", "").lower() == "true"
+
+
+def may_skip_on_ci(item: pytest.Item, reason: str) -> bool:
+    """CI has no GPU: tests that need CUDA keep skipping there, with their reason."""
+    return item.get_closest_marker("gpu") is not None or "CUDA" in reason
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """With CI=true a skip fails, with its reason: a missing service (SLURM, Open MPI,
+    iproute2, namespaces) must not let CI pass with its tests unrun."""
+    outcome = yield
+    report = outcome.get_result()
+    if not (report.skipped and on_ci()) or hasattr(report, "wasxfail"):
+        return
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    reason = reason.removeprefix("Skipped: ")
+    if may_skip_on_ci(item, reason):
+        return
+    report.outcome = "failed"
+    report.longrepr = (
+        f"CI=true and this test would be skipped: {reason}. CI must run it: install and start "
+        "what it needs (.ci/run does), or run without CI=true to let it skip"
+    )
 
 
 # Test time of the tests not marked slow, summed over this session: what the fast tier

@@ -1,6 +1,6 @@
 """Bad input: a one-paragraph error and a non-zero exit, before any worker process starts.
 The first tests type it on the real command line; the mistakes below are checked in-process
-(the same `check_config` the command runs), and tests/test_config.py checks more values."""
+(the same `resolve_and_check` the command runs), and tests/test_config.py checks more values."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import FAST, compose_train, train
+from helpers.runs import FAST, compose_train, train
 
+from ddp_template.build import build_task, build_trainer
 from ddp_template.callbacks.startup_report import oversubscription_warning
-from ddp_template.config.checks import check_config
-from ddp_template.config.resume_folder import ResumeCheck, check_run_folder, check_sweep_folder
+from ddp_template.config.checks import resolve_and_check
 from ddp_template.errors import ConfigError
-from ddp_template.worker.build import build_task, build_trainer
+from ddp_template.resume.folder import ResumeCheck, check_run_folder, check_sweep_folder
 from ddp_template.worker.results import export_weights
 
 CASES = {
@@ -33,10 +33,24 @@ CASES = {
     ),
     "sync_batchnorm on cpu": (["sync_batchnorm=true", "accelerator=cpu"], "sync_batchnorm=True"),
     "seed=foo": (["seed=foo"], "seed='foo'"),
+    "fsdp wrapping a class the model lacks": (
+        ["strategy=fsdp", "devices=2", "strategy.wrap=[TransformerBlock]"],
+        "strategy.wrap=['TransformerBlock']",
+    ),
     "max_epochs=-5": (["trainer.max_epochs=-5"], "trainer.max_epochs=-5"),
     "negative lr": (
         ["devices=2", "task.module.optimizer.lr=-0.1"],
         "task.module.optimizer.lr=-0.1",
+    ),
+    # The fix names conf/'s value (0.1), not SGD's signature default (0.001).
+    "lr=-1 names the config's default": (
+        ["task.module.optimizer.lr=-1"],
+        "Fix: e.g. task.module.optimizer.lr=0.1 (the config's default)",
+    ),
+    "unknown strategy": (["strategy=ddpp"], "strategy='ddpp' is not valid"),
+    "negative patience": (
+        ["callbacks=early_stopping", "callbacks.early_stopping.patience=-1"],
+        "callbacks.early_stopping.patience=-1 is not valid: >= 0",
     ),
     "unreachable mlflow": (
         ["devices=2", "logger=mlflow", "logger.mlflow.tracking_uri=http://127.0.0.1:9"],
@@ -86,11 +100,85 @@ def test_empty_image_folder(tmp_path: Path) -> None:
 
 def test_unknown_strategy_lists_the_options(tmp_path: Path) -> None:
     proc = train("strategy=nope", cwd=tmp_path, check=False)
-    assert proc.returncode != 0
-    assert "strategy/nope" in proc.stderr
-    for option in ("auto", "ddp", "ddp_spawn"):
-        assert option in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: strategy='nope' is not valid: an option of the")
+    assert "auto, ddp, ddp_spawn" in proc.stderr and "Fix:" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+# An option no file of its config group holds: the group, its options and the closest.
+UNKNOWN_OPTIONS = {
+    "strategy": (["strategy=ddpp"], "strategy", "ddpp", "strategy=ddp (the closest)"),
+    "task": (["task=regresion"], "task", "regresion", "task=regression (the closest)"),
+    "loader": (["loader=tunned"], "loader", "tunned", "loader=tuned (the closest)"),
+    "a debug list's entry": (["debug=[fast,watchdgo]"], "debug", "watchdgo", "debug=watchdog"),
+    "a Hydra plugin's group": (
+        ["hydra/launcher=pakced"],
+        "hydra/launcher",
+        "pakced",
+        "hydra/launcher=packed (the closest)",
+    ),
+    "a group added with +": (["+experiment=benchmrk"], "experiment", "benchmrk", "benchmark"),
+}
+
+
+@pytest.mark.parametrize(
+    "overrides,group,option,fix", UNKNOWN_OPTIONS.values(), ids=UNKNOWN_OPTIONS.keys()
+)
+def test_unknown_option_of_any_group_is_one_paragraph(overrides, group, option, fix) -> None:
+    from ddp_template.config.plugins import check_override_keys
+    from ddp_template.train import CONFIG_DIR
+
+    with pytest.raises(ConfigError) as err:
+        check_override_keys(overrides, CONFIG_DIR, "train")
+    assert (err.value.key, err.value.value) == (group, option)
+    assert f"an option of the config group {group}: " in str(err.value)
+    assert fix in err.value.fix and "\n" not in str(err.value)
+
+
+def _image_folder(root: Path, classes: int, per_class: int = 3) -> Path:
+    """root/<class>/<i>.png: random 8 px PNGs."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for k in range(classes):
+        (root / f"class_{k}").mkdir(parents=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 256, size=(8, 8, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / f"class_{k}" / f"{i}.png")
+    return root
+
+
+def test_image_folder_of_one_class_is_refused_naming_the_folder(tmp_path: Path) -> None:
+    root = _image_folder(tmp_path / "images", classes=1)
+    with pytest.raises(ConfigError) as err:
+        resolve_and_check(
+            compose_train("data=imagefolder", f"data.root={root}", "data.batch_size=1")
+        )
+    assert err.value.key == "data.root"
+    assert "at least two class sub-folders" in str(err.value) and "found one: class_0" in str(
+        err.value
+    )
+    assert "num_classes" not in str(err.value)
+
+
+def test_truncated_image_is_named_before_workers(tmp_path: Path) -> None:
+    """A PNG cut in half (an interrupted copy) opens, and used to fail mid-epoch with a
+    traceback that named no file."""
+    root = _image_folder(tmp_path / "images", classes=2)
+    cut = root / "class_1" / "2.png"
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    with pytest.raises(ConfigError) as err:
+        resolve_and_check(
+            compose_train("data=imagefolder", f"data.root={root}", "data.batch_size=1")
+        )
+    assert err.value.key == "data.root" and f"{cut} is cut short" in str(err.value)
+    # The same folder, whole again, passes.
+    _image_folder(tmp_path / "whole", classes=2)
+    resolve_and_check(
+        compose_train("data=imagefolder", f"data.root={tmp_path / 'whole'}", "data.batch_size=1")
+    )
 
 
 def test_unknown_data_set_says_where_data_sets_come_from() -> None:
@@ -170,6 +258,36 @@ MISTAKES = {
         "data.source",
         "add `source: <the class>` to conf/data/digits.yaml",
     ),
+    "negative patience": (
+        ["callbacks=early_stopping", "callbacks.early_stopping.patience=-1"],
+        "callbacks.early_stopping.patience",
+        "validation rounds without improvement",
+    ),
+    "fsdp wrapping a class the model lacks": (
+        ["strategy=fsdp", "devices=2", "strategy.wrap=[BasicBlock,TransformerBlock]"],
+        "strategy.wrap",
+        "it has no TransformerBlock (it has BasicBlock, BatchNorm2d, Conv2d,",
+    ),
+    "fsdp with a comm hook": (
+        ["strategy=fsdp", "devices=2", "strategy.comm_hook=fp16"],
+        "strategy.comm_hook",
+        "communication hooks are DDP's",
+    ),
+    "fsdp with sync_batchnorm": (
+        ["strategy=fsdp", "devices=2", "sync_batchnorm=true"],
+        "sync_batchnorm",
+        "false with strategy=fsdp",
+    ),
+    "fsdp with 16-mixed": (
+        ["strategy=fsdp", "devices=2", "precision=16-mixed"],
+        "precision",
+        "Fix: precision=bf16-mixed",
+    ),
+    "fsdp offloading to the CPU on the CPU": (
+        ["strategy=fsdp", "devices=2", "accelerator=cpu", "strategy.cpu_offload=true"],
+        "strategy.cpu_offload",
+        "on the CPU the parameters, gradients and optimizer state are in host memory",
+    ),
     "misspelt optimizer key": (
         ["+task.module.optimizer.lrr=0.1"],
         "task.module.optimizer.lrr",
@@ -181,7 +299,7 @@ MISTAKES = {
 @pytest.mark.parametrize("overrides,key,words", MISTAKES.values(), ids=MISTAKES.keys())
 def test_mistake_is_refused_before_workers(overrides, key, words) -> None:
     with pytest.raises(ConfigError) as err:
-        check_config(compose_train(*overrides))
+        resolve_and_check(compose_train(*overrides))
     assert err.value.key == key
     assert words in str(err.value), str(err.value)
     assert "Fix:" in str(err.value) and "\n" not in str(err.value)
@@ -194,7 +312,7 @@ def test_plateau_scheduler_steps_on_the_task_monitor() -> None:
         "~task.module.scheduler.max_lr",
         "task.module.scheduler_interval=epoch",
     )
-    check_config(cfg)
+    resolve_and_check(cfg)
     _, module = build_task(cfg)
     module.trainer = build_trainer(cfg, loggers=[])
     configured = module.configure_optimizers()["lr_scheduler"]
@@ -203,7 +321,7 @@ def test_plateau_scheduler_steps_on_the_task_monitor() -> None:
 
 
 def test_endless_run_without_a_run_length_schedule_is_accepted() -> None:
-    check_config(compose_train("trainer.max_epochs=-1", "task.module.scheduler=null"))
+    resolve_and_check(compose_train("trainer.max_epochs=-1", "task.module.scheduler=null"))
 
 
 def test_epoch_schedule_gets_the_number_of_epochs() -> None:
@@ -213,7 +331,7 @@ def test_epoch_schedule_gets_the_number_of_epochs() -> None:
         "task.module.scheduler_interval=epoch",
         "trainer.max_epochs=7",
     )
-    check_config(cfg)
+    resolve_and_check(cfg)
     _, module = build_task(cfg)
     module.trainer = build_trainer(cfg, loggers=[])
     assert module.configure_optimizers()["lr_scheduler"]["scheduler"].T_max == 7
@@ -223,7 +341,7 @@ def test_a_lone_last_sample_is_left_out_where_batchnorm_would_fail() -> None:
     """digits on 2 ranks with batches of 4: 629 samples a rank, 157 x 4 + 1. BatchNorm
     cannot train on the one: that batch is dropped; a model without BatchNorm keeps it."""
     cfg = compose_train("strategy=ddp", "devices=2", "data.batch_size=4")
-    check_config(cfg)
+    resolve_and_check(cfg)
     datamodule, _ = build_task(cfg)
     datamodule.setup("fit")
     models = {"batch": torch.nn.BatchNorm2d(1), "none": torch.nn.Linear(1, 1)}
@@ -239,9 +357,9 @@ def test_a_lone_last_sample_is_left_out_where_batchnorm_would_fail() -> None:
 def test_exported_weights_are_not_a_checkpoint(tmp_path: Path) -> None:
     cfg = compose_train()
     _, module = build_task(cfg)
-    export_weights(module.model, tmp_path / "model.pt")
+    export_weights(module.model.state_dict(), tmp_path / "model.pt")
     with pytest.raises(ConfigError) as err:
-        check_config(compose_train(f"ckpt_path={tmp_path / 'model.pt'}"))
+        resolve_and_check(compose_train(f"ckpt_path={tmp_path / 'model.pt'}"))
     assert err.value.key == "ckpt_path"
     assert "a model's weights alone, such as the exported model.pt" in str(err.value)
     assert "checkpoints/last.ckpt" in err.value.fix
@@ -262,13 +380,62 @@ def test_checkpoint_of_another_task_is_one_paragraph(tmp_path: Path) -> None:
             },
             checkpoints[task],
         )
-    check_config(compose_train(f"ckpt_path={checkpoints['image_classification']}"))
+    resolve_and_check(compose_train(f"ckpt_path={checkpoints['image_classification']}"))
     with pytest.raises(ConfigError) as err:
-        check_config(compose_train(f"ckpt_path={checkpoints['tabular_classification']}"))
+        resolve_and_check(compose_train(f"ckpt_path={checkpoints['tabular_classification']}"))
     message = str(err.value)
     assert err.value.key == "ckpt_path" and len(message) < 1000, message
     assert "ImageClassificationModule" in message and "num_classes=2" in message
     assert "overrides.yaml" in err.value.fix
+
+
+def _sharded_checkpoint(folder: Path, task: str) -> Path:
+    """A DCP folder as strategy=fsdp writes it, saved in this one process."""
+    import torch.distributed.checkpoint as dcp
+
+    _, module = build_task(compose_train(f"task={task}"))
+    dcp.save({"state_dict": module.state_dict()}, checkpoint_id=folder, no_dist=True)
+    meta = {"hyper_parameters": dict(module.hparams), "loops": {}}
+    torch.save(meta, folder / "meta.pt")
+    return folder
+
+
+def test_incomplete_sharded_checkpoint_is_one_paragraph(tmp_path: Path) -> None:
+    """A folder whose save did not finish, lost a shard or has one cut short is refused in
+    the launching process, whatever the strategy resuming it."""
+    folder = _sharded_checkpoint(tmp_path / "last.ckpt", "tabular_classification")
+    overrides = ["task=tabular_classification", "strategy=fsdp", "devices=2"]
+    resolve_and_check(compose_train(*overrides, f"ckpt_path={folder}"))
+    shard = next(folder.glob("*.distcp"))
+    data = shard.read_bytes()
+    for damage, words in (
+        (lambda: shard.write_bytes(data[: len(data) // 2]), f"the shard {shard.name} is cut short"),
+        (shard.unlink, f"the shard {shard.name} is missing"),
+        ((folder / ".metadata").unlink, "without its .metadata (the save did not finish)"),
+    ):
+        damage()
+        for strategy in ("fsdp", "ddp"):
+            with pytest.raises(ConfigError) as err:
+                cfg = compose_train(*overrides, f"strategy={strategy}", f"ckpt_path={folder}")
+                resolve_and_check(cfg)
+            assert err.value.key == "ckpt_path" and words in str(err.value), str(err.value)
+            assert "\n" not in str(err.value)
+
+
+def test_checkpoint_of_another_model_is_refused_by_fsdp(tmp_path: Path) -> None:
+    """A ddp checkpoint (one file) and a sharded folder, each of another task's model."""
+    _, module = build_task(compose_train("task=image_classification"))
+    of_ddp = tmp_path / "ddp.ckpt"
+    state = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}
+    torch.save({**state, "loops": {}}, of_ddp)
+    sharded = _sharded_checkpoint(tmp_path / "sharded.ckpt", "image_classification")
+    for checkpoint in (of_ddp, sharded):
+        with pytest.raises(ConfigError) as err:
+            overrides = ["task=tabular_classification", "strategy=fsdp", "devices=2"]
+            resolve_and_check(compose_train(*overrides, f"ckpt_path={checkpoint}"))
+        message = str(err.value)
+        assert err.value.key == "ckpt_path" and "saved from another model" in message, message
+        assert "TabularClassificationModule" in message and "\n" not in message
 
 
 def test_more_ranks_than_cores_warns_about_the_ranks() -> None:

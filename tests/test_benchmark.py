@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, results, train
+from helpers.runs import ROOT, results, train
 
 TINY_BENCHMARK = [
     "experiment=benchmark",
@@ -21,7 +21,7 @@ TINY_BENCHMARK = [
     "benchmark.warmup_steps=1",
     "benchmark.steps=3",
 ]
-RECIPES = ["baseline", "amp", "data", "comm"]
+RECIPES = ["baseline", "amp", "data", "comm", "shard"]
 # 16-mixed needs CUDA: on the CPU (train() pins it) Lightning runs bf16-mixed.
 MIXED = "bf16-mixed"
 
@@ -66,12 +66,15 @@ def test_each_recipe_records_the_benchmark_figures(recipe_sweep: Path) -> None:
         )
         assert out["tflops_per_sec_per_device"] == pytest.approx(out["tflops_per_sec"])
         assert out["mfu"] is None
-        assert set(out["peak_memory_mb_per_rank"]) == {"0"}
+        assert out["peak_memory_mb_over_ranks"]["max_rank"] == 0
         assert out["checkpoints"] == {"best": None, "last": None}
     assert runs["baseline"]["precision_used"] == "32-true"
     for name in ("amp", "data", "comm"):
         assert runs[name]["precision_requested"] == "16-mixed"
         assert runs[name]["precision_used"] == MIXED
+    # shard: data's loading, sharded (FSDP's own mixed precision: bf16-mixed).
+    assert runs["shard"]["strategy"] == "fsdp" and runs["shard"]["precision_used"] == MIXED
+    assert runs["shard"]["config"]["data"]["num_workers"] >= 1
     assert runs["amp"]["config"]["data"]["num_workers"] == 0
     assert runs["data"]["config"]["data"]["num_workers"] >= 1
     baseline_ddp, comm_ddp = runs["baseline"]["ddp"], runs["comm"]["ddp"]
@@ -102,8 +105,13 @@ def test_report_compares_the_recipes(recipe_sweep: Path) -> None:
             out["tflops_per_sec_per_device"]
         )
         assert row["mfu"] == ""
+        assert row["strategy"] == out["strategy"]
+        held = sum(part["max"] for part in out["model_state_mb_over_ranks"].values())
+        assert float(row["model_state_mb"]) == pytest.approx(held) and held > 0
         assert f"| {row['setting']} |" in proc.stdout or f"**{row['setting']}**" in proc.stdout
     assert "| setting | samples/s | per device | TFLOP/s per device | MFU |" in proc.stdout
+    assert "| model state (MiB per rank) |" in proc.stdout
+    assert [row["strategy"] for row in rows] == ["ddp"] * 4 + ["fsdp"]
     assert (recipe_sweep / "report.md").read_text().count("\n| ") == len(RECIPES) + 1
     assert (recipe_sweep / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -119,6 +127,7 @@ def test_report_names_the_jobs_that_left_no_results(recipe_sweep: Path, tmp_path
         "recipe=baseline",
         "recipe=amp",
         "recipe=comm",
+        "recipe=shard",
     ]
     assert "Not measured (no results.json): recipe=data" in proc.stdout
 
@@ -214,6 +223,6 @@ def test_comm_hook_runs_in_a_two_process_run(tmp_path: Path) -> None:
     assert out["world_size"] == 2
     # ResNet-18's 45 MB of gradients in 5 MiB buckets: more than one bucket per step.
     assert out["ddp"]["comm_hook"] == "powersgd" and out["ddp"]["comm_hook_calls"] >= 2 * 4
-    assert set(out["peak_memory_mb_per_rank"]) == {"0", "1"}
-    assert set(out["data_wait_fraction_per_rank"]) == {"0", "1"}
+    assert out["peak_memory_mb_over_ranks"]["max_rank"] in (0, 1)
+    assert out["data_wait_fraction_over_ranks"]["max"] == out["data_wait_fraction"]
     assert out["samples_per_sec_per_device"] == pytest.approx(out["samples_per_sec"] / 2)

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_train, train
+from helpers.runs import compose_train, train
 from omegaconf import open_dict
 
-from ddp_template.config.checkpoint_check import check_checkpoint
+from ddp_template.build import build_task
 from ddp_template.errors import ConfigError
-from ddp_template.worker.build import build_task
+from ddp_template.resume.checkpoint_check import check_checkpoint
 
 
 def _checkpoint_of(path: Path, *overrides: str, weights_only: bool = False) -> Path:
@@ -29,7 +29,7 @@ def _check(ckpt: Path, *overrides: str) -> None:
     cfg = compose_train(*overrides)
     with open_dict(cfg):
         cfg.ckpt_path = str(ckpt)
-    check_checkpoint(cfg)
+    check_checkpoint(cfg, lambda checked: build_task(checked)[1])
 
 
 def test_a_checkpoint_of_the_same_model_passes(tmp_path: Path) -> None:

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, ROOT, start
+from helpers.runs import FAST, ROOT, start
 from omegaconf import OmegaConf
 
-from ddp_template.config.checkpoint_check import newest_complete, unreadable
-from ddp_template.worker.checkpoint_io import SafeCheckpointIO, previous_of
+from ddp_template.resume.checkpoint_check import newest_complete, unreadable
+from ddp_template.resume.checkpoint_io import SafeCheckpointIO, previous_of
 
 
 def _save(folder: Path, step: int) -> Path:
@@ -54,7 +54,7 @@ def test_the_previous_checkpoint_is_kept_and_a_truncated_one_falls_back_to_it(tm
 def test_a_restart_resumes_from_the_previous_checkpoint_when_last_is_torn(
     tmp_path, monkeypatch, capsys
 ) -> None:
-    from ddp_template.train import _resume_point
+    from ddp_template.resume.decision import resume_point
 
     folder = tmp_path / "checkpoints"
     last = _save(folder, 1)
@@ -63,7 +63,7 @@ def test_a_restart_resumes_from_the_previous_checkpoint_when_last_is_torn(
     cfg = OmegaConf.create({"paths": {"output_dir": str(tmp_path)}, "ckpt_path": None})
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     monkeypatch.delenv("RANK", raising=False)
-    assert _resume_point(cfg) == str(previous_of(last))
+    assert resume_point(cfg) == str(previous_of(last))
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == 1 and "last.prev.ckpt" in printed[0]
 

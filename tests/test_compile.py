@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import results, train
+from helpers.runs import results, train
 
 
 @pytest.mark.slow

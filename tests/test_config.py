@@ -7,11 +7,11 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-from conftest import compose_train
+from helpers.runs import compose_train
 from omegaconf import OmegaConf
 
 from ddp_template.config import resolvers
-from ddp_template.config.checks import TRAINER_ARGS_ELSEWHERE, check_config
+from ddp_template.config.checks import TRAINER_ARGS_ELSEWHERE, resolve_and_check
 from ddp_template.errors import ConfigError
 from ddp_template.train import CONFIG_DIR
 
@@ -34,7 +34,7 @@ def test_every_option_composes(group: str, option: str) -> None:
 
 def test_default_config_passes_the_checks() -> None:
     cfg = compose_train()
-    check_config(cfg)
+    resolve_and_check(cfg)
     assert cfg.accelerator == "cpu" and cfg.devices == 1
 
 
@@ -46,7 +46,7 @@ def test_every_trainer_argument_is_reachable() -> None:
 
 
 def test_ddp_switches_reach_distributed_data_parallel() -> None:
-    from ddp_template.worker.build import build_strategy
+    from ddp_template.build import build_strategy
 
     cfg = compose_train(
         "strategy=ddp",
@@ -92,7 +92,7 @@ BAD_VALUES = [
 def test_bad_values_are_named(overrides: list[str], key: str) -> None:
     cfg = compose_train(*overrides)
     with pytest.raises(ConfigError) as err:
-        check_config(cfg)
+        resolve_and_check(cfg)
     assert err.value.key == key
     assert "Fix:" in str(err.value)
 
@@ -100,7 +100,7 @@ def test_bad_values_are_named(overrides: list[str], key: str) -> None:
 def test_truncated_checkpoint_is_refused(tmp_path: Path) -> None:
     import torch
 
-    from ddp_template.worker.build import build_task
+    from ddp_template.build import build_task
 
     # Shaped as Lightning's: the weights of the model the config builds, loop counters.
     _, module = build_task(compose_train())
@@ -108,20 +108,20 @@ def test_truncated_checkpoint_is_refused(tmp_path: Path) -> None:
     torch.save({"state_dict": module.state_dict(), "loops": {}}, whole)
     truncated = tmp_path / "truncated.ckpt"
     truncated.write_bytes(whole.read_bytes()[:-300])
-    check_config(compose_train(f"ckpt_path={whole}"))
+    resolve_and_check(compose_train(f"ckpt_path={whole}"))
     with pytest.raises(ConfigError, match="not a complete torch.save archive"):
-        check_config(compose_train(f"ckpt_path={truncated}"))
+        resolve_and_check(compose_train(f"ckpt_path={truncated}"))
 
 
 def test_empty_image_folder_is_refused(tmp_path: Path) -> None:
     (tmp_path / "cats").mkdir()
     with pytest.raises(ConfigError, match="found none"):
-        check_config(compose_train("data=imagefolder", f"data.root={tmp_path}"))
+        resolve_and_check(compose_train("data=imagefolder", f"data.root={tmp_path}"))
 
 
 def test_data_set_of_another_task_is_refused() -> None:
     """A task reads the data sets whose source class its sources.py has, and names them."""
     with pytest.raises(ConfigError) as err:
-        check_config(compose_train("task=regression", "data=digits"))
+        resolve_and_check(compose_train("task=regression", "data=digits"))
     assert err.value.key == "data" and err.value.value == "digits"
     assert "`source: Digits`" in str(err.value) and "its classes: diabetes." in str(err.value)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, TESTS, compose_train, subprocess_env
+from helpers.runs import FAST, TESTS, compose_train, subprocess_env
 
-from ddp_template.config.checks import check_config, resolve_accelerator, resolve_devices
+from ddp_template.config.checks import resolve_accelerator, resolve_and_check, resolve_devices
 from ddp_template.errors import ConfigError
 
 needs_cuda_build = pytest.mark.skipif(
@@ -85,7 +85,7 @@ def gpu_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     ],
 )
 def test_the_checks_create_no_cuda_context(gpu_machine: None, switch: str) -> None:
-    check_config(compose_train("accelerator=gpu", "devices=2", "strategy=ddp", switch))
+    resolve_and_check(compose_train("accelerator=gpu", "devices=2", "strategy=ddp", switch))
     assert not torch.cuda.is_initialized()
 
 
@@ -96,7 +96,7 @@ def test_a_cpu_rank_saves_no_cuda_generator(
     initialises CUDA, impossible in a forked rank)."""
     import lightning as L
 
-    from ddp_template.callbacks.resume_state import ResumeState
+    from ddp_template.resume.state import ResumeState
 
     callback = ResumeState(seed=0)
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, default_root_dir=tmp_path)

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FAST, compose_train, train
+from helpers.runs import FAST, compose_train, train
 from PIL import Image
 from torch import nn
 
-from ddp_template.config.checks import check_config
-from ddp_template.config.resolvers import workers_per_rank
+from ddp_template.build import build_task
+from ddp_template.config.checks import resolve_and_check
 from ddp_template.errors import ConfigError
-from ddp_template.worker.build import build_task
+from ddp_template.launch.topology import workers_per_rank
 
 
 def image_folder(root: Path, side: int, per_class: int = 3, classes: int = 2) -> Path:
@@ -33,7 +33,7 @@ def image_folder(root: Path, side: int, per_class: int = 3, classes: int = 2) ->
 def built(*overrides: str):
     # A batch as small as these folders (the check refuses one larger than a rank's shard).
     cfg = compose_train("data.batch_size=1", *overrides)
-    check_config(cfg)
+    resolve_and_check(cfg)
     datamodule, module = build_task(cfg)
     return cfg, datamodule, module
 

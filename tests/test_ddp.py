@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import FAST, probes, results, train
+from helpers.runs import FAST, probes, results, train
 
 PROBE = "+callbacks.probe._target_=probe.Probe"
 

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, compose_train, probes, results, train
+from helpers.runs import ROOT, compose_train, probes, results, train
 
+from ddp_template.build import build_task
 from ddp_template.new_task import available_sources
-from ddp_template.worker.build import build_task
 
 TASKS = available_sources(ROOT)
 COMMON = [

@@ -12,9 +12,9 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import CPU, FAST, ROOT, compose_train, cuda_devices, results, train
+from helpers.runs import CPU, FAST, ROOT, compose_train, cuda_devices, results, train
 
-from ddp_template.config.checks import check_config
+from ddp_template.config.checks import resolve_and_check
 from ddp_template.errors import ConfigError
 
 GPU_FAST = [option for option in FAST if option != CPU] + ["accelerator=cuda"]
@@ -65,8 +65,8 @@ def test_cuda_peak_memory_reaches_the_results(run_dir: Path, tmp_path: Path) -> 
     )
     out = results(run_dir)
     assert out["memory_kind"] == "cuda_max_allocated" and out["peak_memory_mb"] > 0
-    allocated = out["peak_memory_mb_per_rank"]["0"]
-    assert out["peak_reserved_memory_mb_per_rank"]["0"] >= allocated
+    allocated = out["peak_memory_mb_over_ranks"]["max"]
+    assert out["peak_reserved_memory_mb_over_ranks"]["max"] >= allocated
     assert "CUDA allocated/reserved" in proc.stdout and "CUDA allocated, max over ranks" in (
         proc.stdout
     )
@@ -141,7 +141,7 @@ def test_a_hang_on_nccl_dumps_every_rank(run_dir: Path, tmp_path: Path) -> None:
 @pytest.mark.gpu(1)
 def test_auto_picks_the_gpu_and_tuned_loaders_pin_memory() -> None:
     cfg = compose_train("accelerator=auto", "loader=tuned")
-    check_config(cfg)
+    resolve_and_check(cfg)
     assert cfg.accelerator == "cuda" and cfg.data.pin_memory is True
 
 
@@ -149,7 +149,7 @@ def test_auto_picks_the_gpu_and_tuned_loaders_pin_memory() -> None:
 def test_more_devices_than_gpus_is_refused(tmp_path: Path) -> None:
     visible = cuda_devices()
     with pytest.raises(ConfigError, match=f"at most the {visible} GPUs visible here"):
-        check_config(compose_train("accelerator=gpu", f"devices={visible + 1}"))
+        resolve_and_check(compose_train("accelerator=gpu", f"devices={visible + 1}"))
     proc = train("accelerator=gpu", f"devices={visible + 1}", cwd=tmp_path, check=False)
     assert proc.returncode == 2 and f"devices={visible + 1} is not valid" in proc.stderr
     assert "Traceback" not in proc.stderr

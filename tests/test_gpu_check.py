@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ROOT
+from helpers.runs import ROOT
 
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 BASE_ROWS = ["baseline", "amp", "amp+channels_last", "data", "comm"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import CPU, FAST, ROOT, free_port, results, start, train
+from helpers.runs import CPU, FAST, ROOT, free_port, results, start, train
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 TINY_DDP = ["strategy=ddp", "devices=2", *FAST]

@@ -13,13 +13,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FAST, ROOT, compose_train, free_port, results, start, subprocess_env
+import torch
+from helpers.runs import FAST, ROOT, compose_train, free_port, results, start, subprocess_env
 
+from ddp_template.build import build_trainer
 from ddp_template.config import resolvers
-from ddp_template.config.checks import check_config
+from ddp_template.config.checks import resolve_and_check
 from ddp_template.errors import ConfigError, UserFacingError
 from ddp_template.launch.world import launched_world, started_by
-from ddp_template.worker.build import build_trainer
 
 TINY = ["strategy=ddp", *FAST]
 # Every variable a launcher sets, cleared before a test sets its own.
@@ -154,7 +155,7 @@ def test_jsrun_is_one_job(launched, tmp_path: Path) -> None:
 def test_jsrun_without_lsf_variables_is_refused(launched) -> None:
     launched(JSM_NAMESPACE_SIZE="2", JSM_NAMESPACE_RANK="0", JSM_NAMESPACE_LOCAL_RANK="0")
     with pytest.raises(UserFacingError, match="LSB_JOBID, LSB_DJOB_RANKFILE is unset"):
-        check_config(compose_train(*TINY))
+        resolve_and_check(compose_train(*TINY))
 
 
 def test_mpirun_ranks_agree_on_one_folder_and_a_port(launched) -> None:
@@ -167,7 +168,7 @@ def test_mpirun_ranks_agree_on_one_folder_and_a_port(launched) -> None:
             OMPI_COMM_WORLD_LOCAL_SIZE="2",
             OMPI_MCA_ess_base_jobid="2018246657",
         )
-        from ddp_template.launch.environments import cluster_environment
+        from ddp_template.launch.starters import cluster_environment
 
         environment = cluster_environment()
         assert environment is not None and environment.global_rank() == rank
@@ -190,18 +191,59 @@ def test_mpirun_on_several_nodes_needs_the_first_nodes_address(launched) -> None
 def test_mpich_is_refused_with_the_fix(launched) -> None:
     launched(PMI_SIZE="2", PMI_RANK="1")
     with pytest.raises(UserFacingError, match=r"mpiexec \(MPICH or Intel MPI: PMI_SIZE=2\)"):
-        check_config(compose_train(*TINY))
+        resolve_and_check(compose_train(*TINY))
 
 
 def test_a_pytorchjob_replica_is_one_device(launched) -> None:
     launched(**kubeflow_env(1, 29500))
     assert resolvers.job_stamp() == "kubeflow/127.0.0.1_29500"
     with pytest.raises(ConfigError, match="kubeflow started 1 processes on this node"):
-        check_config(compose_train(*TINY, "devices=2"))
+        resolve_and_check(compose_train(*TINY, "devices=2"))
 
 
 def trained_as(tmp_path: Path):
     cfg = compose_train(*TINY)
-    check_config(cfg)
+    resolve_and_check(cfg)
     cfg.paths.output_dir = str(tmp_path / "run")
     return build_trainer(cfg, loggers=[])
+
+
+def test_a_starter_added_to_the_table_is_read_everywhere(launched) -> None:
+    """One entry in `starters` is all a new starter needs: detection, the world it
+    started, the rank, the job's folder, the GPU advice, the cluster environment and the
+    restart advice are each read from it."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from ddp_template.config.checks import resolve_accelerator
+    from ddp_template.launch import starters
+    from ddp_template.launch.world import check_restarts, take_launched_world
+
+    environment = LightningEnvironment()
+    pbs = starters.Starter(
+        name="pbs",
+        detect=lambda: "PBS_JOBID" in os.environ,
+        world=lambda devices: starters.LaunchedWorld("pbs", 2, 3, "-l ncpus=2", "-l nodes=3"),
+        rank_variable="PBS_TASKNUM",
+        job_folder=lambda: f"pbs/{os.environ['PBS_JOBID']}",
+        gpu_request="ask PBS for GPUs: qsub -l ngpus=<devices>",
+        environment=lambda: environment,
+        restarts=("0 under pbs", "qsub -r y, {max_restarts} times"),
+    )
+    starters.register(pbs, before="torchrun")
+    try:
+        launched(PBS_JOBID="4242.server", PBS_TASKNUM="5")
+        assert started_by() == "pbs"
+        assert take_launched_world("auto", "auto") == (2, 3)
+        assert resolvers.launch_rank() == 5
+        assert resolvers.job_stamp() == "pbs/4242.server"
+        assert starters.cluster_environment() is environment
+        with pytest.raises(ConfigError, match="qsub -r y, 3 times"):
+            check_restarts(3, "ddp", 2)
+        with pytest.raises(ConfigError, match="devices=4 is not valid: pbs started 2"):
+            take_launched_world(4, "auto")
+        if not torch.cuda.is_available():
+            with pytest.raises(ConfigError, match=r"qsub -l ngpus=<devices>"):
+                resolve_accelerator("gpu")
+    finally:
+        starters.unregister("pbs")
+    assert started_by() is None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from conftest import ROOT
+from helpers.runs import ROOT
 
 PACKAGE = ROOT / "src" / "ddp_template"
 TASKS = PACKAGE / "tasks"
@@ -70,7 +70,7 @@ def test_the_top_of_the_package_holds_what_a_task_author_uses() -> None:
     for used_by_tasks in ("module", "data", "optim", "errors", "metrics"):
         assert used_by_tasks in top
     groups = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
-    assert groups == ["callbacks", "config", "launch", "tasks", "tools", "worker"]
+    assert groups == ["callbacks", "config", "launch", "resume", "tasks", "tools", "worker"]
 
 
 def test_each_task_imports_no_other_task() -> None:
@@ -79,3 +79,33 @@ def test_each_task_imports_no_other_task() -> None:
             for name in imports(path):
                 if name.startswith("ddp_template.tasks."):
                     assert name.split(".")[2] == task.name, f"{path} imports {name}"
+
+
+def unit(module: str) -> str:
+    """A module's package (`ddp_template.worker.results` -> `worker`), or the top module."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "ddp_template"
+
+
+def test_no_import_runs_back_up_between_packages() -> None:
+    """Between packages and the top modules the imports form no cycle: a package that uses
+    another is never used by it (lazy imports included), so each can be read from below."""
+    edges: dict[str, set[str]] = {}
+    for name, targets in graph().items():
+        for target in targets:
+            if unit(name) != unit(target):
+                edges.setdefault(unit(name), set()).add(unit(target))
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in edges.get(todo.pop(), ()):
+                if nxt == goal:
+                    return True
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return False
+
+    back = sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets if reaches(b, a))
+    assert not back, "imports that run back up: " + ", ".join(back)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FAST, ROOT, results, subprocess_env
+from helpers.runs import FAST, ROOT, results, subprocess_env
 
 from ddp_template.errors import ConfigError, UserFacingError
 from ddp_template.tools.netlab import Lab, parse_rate, require_namespaces
@@ -117,11 +117,13 @@ def test_the_lab_is_idempotent_and_reshapes_in_place(lab: Lab) -> None:
     again = Lab.up(2, "200mbit", prefix=lab.prefix)
     assert [n.address for n in again.nodes] == [n.address for n in lab.nodes]
     assert again.rate_bps == 200 * 10**6
-    measured = again.probe(megabytes=4)
-    # tbf holds the sustained rate: a little under it, never far above it.
-    assert 0.7 * 200e6 < measured < 1.1 * 200e6
+    # tbf holds the sustained rate: a little under it, never far above it. The best of
+    # several readings is the link's; single ones fall short when other work takes the
+    # nodes' cores (656 Mbit/s at 1gbit with a load average of 27).
+    best = max(again.probe_readings(megabytes=4, repeats=5))
+    assert 0.7 * 200e6 < best < 1.1 * 200e6
     again.set_rate(10**9)
-    assert 0.7 * 1e9 < again.probe(megabytes=16) < 1.1e9
+    assert 0.7 * 1e9 < max(again.probe_readings(megabytes=16, repeats=5)) < 1.1e9
 
 
 def test_each_node_has_its_own_hostname_address_and_cores(lab: Lab) -> None:
@@ -215,7 +217,12 @@ def test_an_interface_that_does_not_exist_stops_every_node_within_a_minute(
     assert all(code != 0 for code, *_ in ran)
     assert "error: network.interface='eth9' is not valid: an interface of node" in errors
     assert "eth0 " + lab.nodes[0].address in errors or "eth0 " + lab.nodes[1].address in errors
-    assert errors.count("error: ") >= 2, errors[-3000:]  # the other node says why it stops
+    # The other node names the cause too: node 0 told the job before it ended (left to
+    # the closed store, node 1's torchrun could end its worker before it said a word).
+    other = ran[1][2]
+    assert f"error: Node 0 ({lab.nodes[0].hostname}) cannot start: network.interface='eth9'" in (
+        other
+    ), other[-3000:]
     assert max(seconds for *_, seconds in ran) < 90  # start-up included
     assert OUR_TRACEBACK not in errors
 
@@ -288,9 +295,9 @@ def test_a_name_that_does_not_resolve_and_a_missing_interface_are_named() -> Non
 
 
 def test_differing_configs_name_the_key_the_nodes_and_the_fix() -> None:
-    from conftest import compose_train
+    from helpers.runs import compose_train
 
-    from ddp_template.worker.node_check import _judge, flat_config
+    from ddp_template.worker.node_agreement import _judge, flat_config
 
     configs = [flat_config(compose_train(f"seed={s}")) for s in (1, 2)]
     ranks = [
@@ -370,3 +377,99 @@ def test_node_0_must_own_the_rendezvous_address() -> None:
     with pytest.raises(ConfigError) as err:
         check_rendezvous_host("192.0.2.250", 29400, node_rank=0, timeout_s=1)
     assert err.value.key == "network.master_addr" and "an address of node 0" in str(err.value)
+
+
+# --- the lab's own commands ------------------------------------------------------------
+
+
+def test_a_node_command_finds_this_environment_first() -> None:
+    """`netlab run 1 -- torchrun ...` with a virtual environment that is not activated:
+    taskset found no `torchrun` on the node's PATH."""
+    from ddp_template.tools.netlab import Node
+
+    lab = Lab("stx", [Node(0, "stx-node0", "stx-node0", "10.213.9.10", (0,))], None)
+    command = lab.command(0, ["torchrun", "--help"])
+    (path,) = [arg for arg in command if arg.startswith("PATH=")]
+    assert path.split("=", 1)[1].split(os.pathsep)[0] == str(Path(sys.executable).parent)
+    # Set before the node's shell, which execs taskset and the command.
+    assert command.index(path) < command.index("sh")
+
+
+def test_run_takes_its_options_before_the_command() -> None:
+    """`run 0 --prefix NAME -- CMD` as docs/nodes.md writes it: the prefix is run's, not
+    the command's (it used to look for the default lab)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddp_template.tools.netlab", "run", "0", "--prefix", "stnone"]
+        + ["--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "No lab named stnone is up" in proc.stderr, proc.stderr
+
+
+def test_probe_readings_that_disagree_or_fall_short_are_named() -> None:
+    from ddp_template.tools.netlab import allreduce_warnings, rate_warnings
+
+    assert rate_warnings("TCP", [950e6, 960e6, 955e6], 10**9) == []
+    (spread,) = rate_warnings("TCP", [259.9e6, 960.4e6, 955e6], 10**9)
+    assert "readings disagree (259.9mbit to 960.4mbit over 3 readings" in spread
+    (short,) = rate_warnings("TCP", [500e6, 510e6, 505e6], 10**9)
+    assert "median 505mbit is below 70% of the 1gbit" in short
+    assert rate_warnings("TCP", [500e6], None) == []
+    measured = {
+        "latency_s": 60e-6,
+        "latency_readings_s": [50e-6, 60e-6, 55e-6, 26_986e-6, 62e-6],
+        "bandwidth_bps": {"float32": 940e6},
+        "bandwidth_readings_bps": {"float32": [930e6, 940e6, 945e6]},
+    }
+    (latency,) = allreduce_warnings(measured, 10**9)
+    assert latency.startswith("warning: the latency per hop read 50 to 26,986 us")
+
+
+def _docs_lab_recipe() -> str:
+    """The fenced block of docs/nodes.md that builds a lab, trains on it and removes it."""
+    text = (ROOT / "docs" / "nodes.md").read_text()
+    blocks = [b.split("\n```", 1)[0] for b in text.split("```bash\n")[1:]]
+    (recipe,) = [b for b in blocks if "netlab up --prefix lab1" in b]
+    return recipe
+
+
+@pytest.mark.slow
+def test_the_docs_lab_recipe_runs_as_written() -> None:
+    """docs/nodes.md's lab recipe, run as it stands from the project's folder: the venv's
+    programs, both nodes' commands at once, a prefix of this test's own (in place of the
+    docs' `lab1`, passed as the docs pass it)."""
+    try:
+        require_namespaces()
+    except UserFacingError as why:
+        pytest.skip(str(why))
+    recipe = _docs_lab_recipe()
+    assert recipe.count("--prefix lab1") >= 5 and "run 0 --prefix lab1" in recipe
+    assert "run 1 --prefix lab1" in recipe and "&\n" in recipe and "\nwait" in recipe
+    prefix = f"st{os.getpid() % 100000}"
+    script = recipe.replace("lab1", prefix)
+    if not (ROOT / ".venv" / "bin" / "python").is_file():
+        # A checkout whose environment lives elsewhere: the running one stands in.
+        script = script.replace(".venv/bin/", f"{Path(sys.executable).parent}/")
+    job = ROOT / "outputs" / "torchrun" / prefix
+    try:
+        proc = subprocess.run(
+            ["bash", "-e", "-c", script],
+            cwd=ROOT,
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "median of 5 TCP readings" in proc.stdout
+        out = results(job)
+        assert out["world_size"] == 2
+        assert {n["hostname"] for n in out["nodes"]} == {f"{prefix}-node0", f"{prefix}-node1"}
+        assert Lab.load(prefix) is None, "the recipe's last line removes the lab"
+    finally:
+        lab = Lab.load(prefix)
+        if lab is not None:
+            lab.down()
+        subprocess.run(["rm", "-rf", str(job)], check=False)

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from helpers.runs import ROOT
 from omegaconf import OmegaConf
 
 from ddp_template import new_task
@@ -23,6 +23,7 @@ from ddp_template.new_task import (
     create_task,
     renamer,
 )
+from ddp_template.project import interpreter_in
 
 BUILT_IN = ["image_classification", "regression", "tabular_classification"]
 
@@ -34,7 +35,13 @@ def copy_project(target: Path) -> Path:
     shutil.copytree(ROOT / "conf", target / "conf", ignore=ignore)
     shutil.copytree(ROOT / "src" / "ddp_template", target / "src" / "ddp_template", ignore=ignore)
     (target / "tests" / "helpers").mkdir(parents=True)
-    for name in ("train.py", "pyproject.toml", "tests/conftest.py", "tests/helpers/probe.py"):
+    for name in (
+        "train.py",
+        "pyproject.toml",
+        "tests/conftest.py",
+        "tests/helpers/runs.py",
+        "tests/helpers/probe.py",
+    ):
         shutil.copy2(ROOT / name, target / name)
     for test in (ROOT / "tests").glob("test_task_*.py"):
         shutil.copy2(test, target / "tests" / test.name)
@@ -44,6 +51,14 @@ def copy_project(target: Path) -> Path:
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
     return copy_project(tmp_path / "project")
+
+
+def composed_model_target(root: Path, task: str) -> str:
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[f"task={task}"])
+    return OmegaConf.select(cfg, "task.module.model._target_")
 
 
 def listing(folder: Path) -> list[str]:
@@ -69,7 +84,10 @@ def test_default_source_is_image_classification(root: Path) -> None:
         "ddp_template.tasks.speech_tagging.datamodule.SpeechTaggingDataModule"
     )
     assert task.module._target_ == "ddp_template.tasks.speech_tagging.module.SpeechTaggingModule"
-    assert task.module.model._target_ == "ddp_template.tasks.speech_tagging.model.build_resnet"
+    # The network comes from conf/model/, built from the task's own model.py.
+    assert composed_model_target(root, "speech_tagging") == (
+        "ddp_template.tasks.speech_tagging.model.build_resnet"
+    )
     module = (root / package / "module.py").read_text()
     assert "class SpeechTaggingModule(TaskModule):" in module
 
@@ -264,7 +282,7 @@ def test_the_printed_commands_run_in_the_readme_set_up(
     monkeypatch.chdir(root)
     assert new_task.main(["churn", "--root", str(root)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    python = new_task.interpreter_in(root)
+    python = interpreter_in(root)
     assert f"Train it:  {python} train.py task=churn strategy=ddp devices=2" in lines
     test = f"{python} -m pytest tests/test_task_churn.py"
     expected = test if pytest_installed else f"bash scripts/setup.sh dev && {test}"
@@ -284,3 +302,38 @@ def test_a_task_folder_depends_on_no_other_task(task: str) -> None:
     for path in files:
         text = path.read_text()
         assert not [other for other in others if other in text], path
+
+
+def _committed(root: Path) -> None:
+    """The copied project as a git checkout whose last commit holds every file."""
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "the project"], check=True)
+
+
+def test_a_copy_leaves_out_uncommitted_edits_unless_asked(root: Path) -> None:
+    """An edit tried on the built-in task (another learning rate) stays out of a copy, and
+    is named; --with-edits carries it."""
+    _committed(root)
+    config = root / CONFIG_DIR / "image_classification.yaml"
+    config.write_text(config.read_text().replace("lr: 0.1", "lr: 0.5"))
+    left_out: list[Path] = []
+    create_task("pristine", root=root, left_out=left_out)
+    copied = OmegaConf.load(root / CONFIG_DIR / "pristine.yaml").task.module.optimizer.lr
+    assert copied == 0.1 and left_out == [CONFIG_DIR / "image_classification.yaml"]
+
+    proc = run_command("edited", "--with-edits", "--root", str(root), cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    assert OmegaConf.load(root / CONFIG_DIR / "edited.yaml").task.module.optimizer.lr == 0.5
+    assert "without their uncommitted edits" not in proc.stdout
+    proc = run_command("again", "--root", str(root), cwd=root)
+    assert "without their uncommitted edits: conf/task/image_classification.yaml" in proc.stdout
+
+
+def test_a_task_git_holds_no_version_of_is_copied_as_it_is(root: Path) -> None:
+    _committed(root)
+    create_task("mine", source="regression", root=root)
+    left_out: list[Path] = []
+    files = create_task("mine_v2", source="mine", root=root, left_out=left_out)
+    assert left_out == [] and TASKS_DIR / "mine_v2" / "module.py" in files

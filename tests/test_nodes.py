@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FAST, ROOT, compose_train, free_port, results, start
+from helpers.runs import FAST, ROOT, compose_train, free_port, results, start
 
-from ddp_template.config.checks import check_config
+from ddp_template.config.checks import resolve_and_check
 from ddp_template.errors import ConfigError
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -136,10 +136,10 @@ def _launched_by(monkeypatch, env: dict[str, str]) -> None:
 def test_devices_and_nodes_come_from_the_launcher(monkeypatch, env: dict[str, str]) -> None:
     _launched_by(monkeypatch, env)
     cfg = compose_train("strategy=ddp")
-    check_config(cfg)
+    resolve_and_check(cfg)
     assert (cfg.devices, cfg.num_nodes) == (2, 2)
     explicit = compose_train("strategy=ddp", "devices=2", "num_nodes=2")
-    check_config(explicit)
+    resolve_and_check(explicit)
     assert (explicit.devices, explicit.num_nodes) == (2, 2)
 
 
@@ -150,7 +150,7 @@ def test_a_number_that_differs_from_the_launcher_is_refused(
 ) -> None:
     _launched_by(monkeypatch, env)
     with pytest.raises(ConfigError) as err:
-        check_config(compose_train("strategy=ddp", override))
+        resolve_and_check(compose_train("strategy=ddp", override))
     assert err.value.key == key
     assert f"{override} is not valid" in str(err.value) and "must be 2" in str(err.value)
 
@@ -160,13 +160,13 @@ def test_srun_without_tasks_per_node_is_refused(monkeypatch) -> None:
         monkeypatch, {k: v for k, v in SRUN_TWO_NODES.items() if k != "SLURM_NTASKS_PER_NODE"}
     )
     with pytest.raises(ConfigError, match="--ntasks-per-node"):
-        check_config(compose_train("strategy=ddp"))
+        resolve_and_check(compose_train("strategy=ddp"))
 
 
 def test_without_a_launcher_auto_is_one_node_and_the_visible_devices(monkeypatch) -> None:
     _launched_by(monkeypatch, {})
     cfg = compose_train("accelerator=cpu")
-    check_config(cfg)
+    resolve_and_check(cfg)
     assert (cfg.devices, cfg.num_nodes) == (1, 1)
 
 
@@ -185,9 +185,100 @@ def test_max_restarts_where_nothing_restarts_is_refused(
 ) -> None:
     _launched_by(monkeypatch, env)
     with pytest.raises(ConfigError) as err:
-        check_config(compose_train(*overrides, "max_restarts=1"))
+        resolve_and_check(compose_train(*overrides, "max_restarts=1"))
     assert err.value.key == "max_restarts" and names in str(err.value)
-    check_config(compose_train(*overrides, "max_restarts=0"))
+    resolve_and_check(compose_train(*overrides, "max_restarts=0"))
 
 
 # Nodes without a shared file system, and several nodes over a network: tests/test_netlab.py.
+
+
+# --- what the nodes of one job compare (worker/node_agreement.py) ---------------------------
+
+
+def _as_nodes(*configs: dict) -> list[dict]:
+    return [
+        {"node_rank": n, "hostname": f"host{n}", "address": "x", "config": c}
+        for n, c in enumerate(configs)
+    ]
+
+
+def test_workers_derived_from_each_nodes_cores_may_differ(monkeypatch) -> None:
+    """loader=tuned gives each rank its node's cores less one: nodes with other core
+    counts are warned about, not refused (before: refused as different configs)."""
+    from ddp_template.launch import topology
+    from ddp_template.worker.node_agreement import _judge, flat_config, node_warnings
+
+    cfg = compose_train("loader=tuned", "devices=1")
+    configs = []
+    for cores in (8, 4):
+        monkeypatch.setattr(topology, "available_cores", lambda cores=cores: cores)
+        configs.append(flat_config(cfg))
+    nodes = _as_nodes(*configs)
+    assert _judge(nodes, {}) == ""
+    warning = node_warnings(nodes)
+    assert "data.num_workers" in warning and "7 on node 0 (host0), 3 on node 1" in warning
+    # A number the user set is not the node's own: it must agree.
+    pinned = [flat_config(compose_train(f"data.num_workers={n}")) for n in (2, 3)]
+    assert "data.num_workers: 2 on node 0 (host0), 3 on node 1" in _judge(_as_nodes(*pinned), {})
+
+
+def test_a_data_root_from_the_environment_is_compared_by_content(monkeypatch, tmp_path) -> None:
+    """DATA_ROOT mounted at another path on each node: the same files agree (a warning
+    names the paths); other files are refused with the key, both paths and the nodes."""
+    from ddp_template.worker.node_agreement import _judge, flat_config, node_warnings
+
+    for name, data in (("a", b"same"), ("b", b"same"), ("c", b"other")):
+        (tmp_path / name / "cifar-10-batches-py").mkdir(parents=True)
+        (tmp_path / name / "cifar-10-batches-py" / "data_batch_1").write_bytes(data)
+    cfg = compose_train("task=image_classification", "data=cifar10")
+    flat = {}
+    for name in ("a", "b", "c"):
+        monkeypatch.setenv("DATA_ROOT", str(tmp_path / name))
+        flat[name] = flat_config(cfg)
+    same = _as_nodes(flat["a"], flat["b"])
+    assert _judge(same, {}) == ""
+    assert f'data.root: "{tmp_path / "a"}" (content ' in node_warnings(same)
+    refused = _judge(_as_nodes(flat["a"], flat["c"]), {})
+    assert refused.startswith("The nodes of this job were started with different configs: ")
+    assert f'data.root: "{tmp_path / "a"}" (content ' in refused
+    assert f'"{tmp_path / "c"}" (content ' in refused and "on node 1 (host1)" in refused
+
+
+def test_software_versions_must_agree() -> None:
+    import lightning
+    import torch
+
+    from ddp_template.worker.node_agreement import _judge, flat_config
+
+    config = flat_config(compose_train())
+    assert config["software.torch"] == torch.__version__
+    assert config["software.lightning"] == lightning.__version__
+    assert config["software.cuda"] == str(torch.version.cuda)
+    assert config["software.ddp_template"] == "0.1.0"
+    assert len(config["software.ddp_template_commit"].split("+")[0]) == 40
+    for key, other in (("software.torch", "2.0.0"), ("software.ddp_template_commit", "0" * 40)):
+        verdict = _judge(_as_nodes(config, {**config, key: other}), {})
+        assert f'{key}: "{config[key]}" on node 0 (host0), "{other}" on node 1' in verdict
+        assert "install the same code and versions on every node" in verdict
+
+
+def test_backend_variables_must_agree_except_interface_names(monkeypatch) -> None:
+    from ddp_template.worker.node_agreement import _judge, flat_config, node_warnings
+
+    cfg = compose_train()
+    monkeypatch.setenv("NCCL_ALGO", "Ring")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    ring = flat_config(cfg)
+    monkeypatch.setenv("NCCL_ALGO", "Tree")
+    tree = flat_config(cfg)
+    verdict = _judge(_as_nodes(ring, tree), {})
+    assert 'environment.NCCL_ALGO: "Ring" on node 0 (host0), "Tree" on node 1' in verdict
+    assert "export the same NCCL_* / GLOO_* variables" in verdict
+    monkeypatch.delenv("NCCL_ALGO")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ib0")
+    other_interface = flat_config(cfg)
+    nodes = _as_nodes({**ring, "environment.NCCL_ALGO": None}, other_interface)
+    nodes[0]["config"].pop("environment.NCCL_ALGO")
+    assert _judge(nodes, {}) == ""
+    assert 'environment.GLOO_SOCKET_IFNAME: "eth0" on node 0 (host0), "ib0"' in node_warnings(nodes)

@@ -1,8 +1,8 @@
 """The docs' path to an own model and an own data set, followed as written on a copy of the
 project: `new_task` copies the image task, a source class in its sources.py and
 conf/data/shapes.yaml add a folder of PNG pictures (docs/data.md), a class in its model.py and
-`task.module.model` in its config replace the network (docs/new_tasks.md), and nothing else
-is edited. The copy trains on 2 ranks and passes its copied test."""
+conf/model/small_cnn.yaml naming it replace the network with `model=small_cnn`
+(docs/new_tasks.md), and nothing else is edited. The copy trains on 2 ranks and passes its copied test."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FAST, results
+from helpers.runs import FAST, results
 from PIL import Image, ImageDraw
 from test_new_task import copy_project
 
@@ -98,9 +98,10 @@ class SmallCNN(nn.Module):
         return self.classifier(self.features(images))
 '''
 
-MODEL_NODE = """    model:
-      _target_: ddp_template.tasks.shapes.model.SmallCNN
-      width: 16
+# conf/model/small_cnn.yaml: the whole network node, picked with model=small_cnn.
+MODEL_PRESET = """# @package task.module.model
+_target_: ddp_template.tasks.shapes.model.SmallCNN
+width: 16
 """
 
 
@@ -133,14 +134,6 @@ def run(args: list[str], project: Path) -> subprocess.CompletedProcess:
     return proc
 
 
-def replace_model_node(config: Path) -> None:
-    """`task.module.model` in the task config: the new class's `_target_` and options."""
-    text = config.read_text()
-    start = text.index("    model:\n")
-    end = text.index("    optimizer:\n")
-    config.write_text(text[:start] + MODEL_NODE + text[end:])
-
-
 @pytest.mark.slow
 def test_the_docs_path_to_an_own_model_and_data_set_trains_and_tests(tmp_path: Path) -> None:
     project = copy_project(tmp_path / "project")
@@ -152,10 +145,10 @@ def test_the_docs_path_to_an_own_model_and_data_set_trains_and_tests(tmp_path: P
     with (package / "sources.py").open("a") as sources:
         sources.write(SOURCE)
     (project / "conf" / "data" / "shapes.yaml").write_text(DATA_CONFIG)
-    # docs/new_tasks.md: a class in the task's model.py, and task.module.model naming it.
+    # docs/new_tasks.md: a class in the task's model.py, and conf/model/<name>.yaml naming it.
     with (package / "model.py").open("a") as model:
         model.write(MODEL)
-    replace_model_node(project / "conf" / "task" / "shapes.yaml")
+    (project / "conf" / "model" / "small_cnn.yaml").write_text(MODEL_PRESET)
 
     pictures = shape_pictures(tmp_path / "pictures")
     run_dir = tmp_path / "run"
@@ -164,6 +157,7 @@ def test_the_docs_path_to_an_own_model_and_data_set_trains_and_tests(tmp_path: P
             python,
             "train.py",
             "task=shapes",
+            "model=small_cnn",
             "data=shapes",
             f"data.root={pictures}",
             "strategy=ddp",
@@ -175,6 +169,11 @@ def test_the_docs_path_to_an_own_model_and_data_set_trains_and_tests(tmp_path: P
     )
     out = results(run_dir)
     assert out["world_size"] == 2 and out["config"]["data"]["source"] == "Shapes"
+    # The whole node replaced: no key of the ResNet's is left behind.
+    assert out["config"]["task"]["module"]["model"] == {
+        "_target_": "ddp_template.tasks.shapes.model.SmallCNN",
+        "width": 16,
+    }
     # 36 pictures, a fifth each for validation and test: 7 test pictures over 2 ranks.
     assert 0.0 <= out["test/acc"] <= 1.0
     assert "SmallCNN, width 16" in proc.stdout + proc.stderr + _logs(run_dir)
@@ -188,3 +187,48 @@ def test_the_docs_path_to_an_own_model_and_data_set_trains_and_tests(tmp_path: P
 
 def _logs(run_dir: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in run_dir.rglob("*.log"))
+
+
+OWN_NETWORK = """
+from torch import nn
+
+
+class TinyCNN(nn.Module):
+    def __init__(self, num_classes, in_channels, image_size, width=8):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(width, num_classes),
+        )
+
+    def forward(self, images):
+        return self.net(images)
+"""
+
+
+def test_one_override_swaps_the_whole_network_for_an_own_class(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`model=<preset>` replaces task.module.model as a whole (the ResNet's arch,
+    small_input, norm, ... are not left behind to be refused one per run); the preset may
+    live outside the project, in a folder added with hydra.searchpath."""
+    from helpers.runs import compose_train
+
+    from ddp_template.build import build_task
+    from ddp_template.config.checks import resolve_and_check
+
+    (tmp_path / "own_nets.py").write_text(OWN_NETWORK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    presets = tmp_path / "conf" / "model"
+    presets.mkdir(parents=True)
+    (presets / "tiny_cnn.yaml").write_text(
+        "# @package task.module.model\n_target_: own_nets.TinyCNN\nwidth: 4\n"
+    )
+    cfg = compose_train(f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "model=tiny_cnn")
+    assert dict(cfg.task.module.model) == {"_target_": "own_nets.TinyCNN", "width": 4}
+    resolve_and_check(cfg)
+    _, module = build_task(cfg)
+    assert type(module.model).__name__ == "TinyCNN" and module.model.net[0].out_channels == 4

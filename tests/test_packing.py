@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import FAST, ROOT, results, train
+from helpers.runs import FAST, ROOT, results, train
 
 CORES = len(os.sched_getaffinity(0))
 # A small job that trains in one process (a multilayer perceptron on a bundled table).

@@ -8,9 +8,9 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import compose_train, train
+from helpers.runs import compose_train, train
 
-from ddp_template.config.checks import check_config
+from ddp_template.config.checks import resolve_and_check
 from ddp_template.errors import ConfigError
 
 # epoch 1/1  step 2/6 (33%)  loss 2.402  18 samples/s  0.00371 TFLOP/s per device
@@ -92,4 +92,4 @@ def test_two_ranks_print_progress_by_time_on_rank_0_only(tmp_path: Path) -> None
 )
 def test_bad_interval_is_refused(override: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(override.split("=")[0])):
-        check_config(compose_train(override))
+        resolve_and_check(compose_train(override))

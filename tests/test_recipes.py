@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import compose_train, train
+from helpers.runs import compose_train, train
 from omegaconf import OmegaConf
 
 from ddp_template.callbacks.speed import SpeedMonitor
 from ddp_template.config import resolvers
-from ddp_template.config.checks import check_config
+from ddp_template.config.checks import resolve_and_check
 from ddp_template.errors import ConfigError
 from ddp_template.worker.comm_hooks import (
     COMM_HOOKS,
@@ -30,7 +30,7 @@ resolvers.register()
 
 def checked(*overrides: str):
     cfg = compose_train(*overrides)
-    check_config(cfg)
+    resolve_and_check(cfg)
     return OmegaConf.to_container(cfg, resolve=True)
 
 
@@ -52,6 +52,14 @@ def test_recipes_are_cumulative() -> None:
     assert comm["strategy"]["comm_hook"] == "fp16"
     assert comm["strategy"]["bucket_cap_mb"] == 50
     assert comm["strategy"]["gradient_as_bucket_view"] and comm["strategy"]["static_graph"]
+
+
+def test_the_shard_recipe_is_data_loading_under_fsdp() -> None:
+    """recipe=shard: data's loading, strategy=fsdp in place of ddp (none of comm's DDP
+    switches: they are DDP's), and bf16-mixed, the mixed precision FSDP takes."""
+    data, shard = checked("recipe=data"), checked("recipe=shard")
+    assert shard["strategy"]["name"] == "fsdp" and shard["strategy"]["comm_hook"] == "none"
+    assert shard["data"] == data["data"] and shard["precision"] == "bf16-mixed"
 
 
 def test_any_group_can_be_overridden_on_top_of_a_recipe() -> None:
@@ -105,7 +113,7 @@ BAD_VALUES = [
 @pytest.mark.parametrize("overrides,key", BAD_VALUES, ids=lambda v: str(v))
 def test_bad_values_are_named(overrides: list[str], key: str) -> None:
     with pytest.raises(ConfigError) as err:
-        check_config(compose_train(*overrides))
+        resolve_and_check(compose_train(*overrides))
     assert err.value.key == key
     assert "Fix:" in str(err.value)
 
@@ -140,8 +148,8 @@ def test_bad_value_on_the_command_line(overrides, expected, tmp_path: Path) -> N
 
 def test_unknown_recipe_lists_the_options(tmp_path: Path) -> None:
     proc = train("recipe=fast", cwd=tmp_path, check=False)
-    assert proc.returncode != 0
-    assert "Could not find 'recipe/fast'" in proc.stderr
+    assert proc.returncode == 2
+    assert "recipe='fast' is not valid: an option of the config group recipe" in proc.stderr
     for option in ("baseline", "amp", "data", "comm"):
         assert option in proc.stderr
 
@@ -227,4 +235,40 @@ def test_speed_monitor_splits_loader_wait_from_the_step() -> None:
     assert logged["perf/step_time_p90_s"] >= logged["perf/step_time_median_s"]
     median_rate = 8 / logged["perf/step_time_median_s"]
     assert logged["perf/samples_per_sec"] == pytest.approx(median_rate, rel=0.5)
-    assert logged["perf/peak_mem_mb/rank_0"] > 0
+    assert logged["perf/peak_mem_mb/max"] >= logged["perf/peak_mem_mb/min"] > 0
+
+
+def test_a_comm_hook_added_to_the_table_is_read_everywhere(
+    one_rank_group, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One `CommHook` entry is all a new hook needs: the config's allowed names, what is
+    registered and counted, the logged settings and the scaling model's wire bytes."""
+    import math
+
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from ddp_template.callbacks.ddp_settings import read_ddp_settings
+    from ddp_template.tools.scaling import Link, sent_bytes
+    from ddp_template.worker.comm_hooks import CommHook
+    from ddp_template.worker.results import _ddp_settings
+
+    def halved(state, bucket):
+        return default_hooks.fp16_compress_hook(state, bucket)
+
+    entry = CommHook("halved", halved, "float16", 1, lambda shape, size, rank: math.prod(shape))
+    monkeypatch.setitem(COMM_HOOKS, "halved", entry)
+
+    checked("strategy=ddp", "strategy.comm_hook=halved")
+    with pytest.raises(ConfigError, match="one of none, fp16, bf16, powersgd, halved"):
+        checked("strategy=ddp", "strategy.comm_hook=halfed")
+
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 4))
+    hook = CountingHook("halved")
+    ddp.register_comm_hook(hook_state("halved", 1, 2), hook)
+    ddp(torch.randn(2, 8)).sum().backward()
+    assert hook.calls == 1
+    logged = {f"ddp/{key}": value for key, value in read_ddp_settings(ddp).items()}
+    assert _ddp_settings(logged)["comm_hook"] == "halved"
+
+    assert sent_bytes([4, 8], 4, "halved", 1) == 32
+    assert "float16" in Link.rated(1e9).bandwidth_bps

@@ -1,5 +1,6 @@
 """Resuming is exact: a 2-rank run stopped mid-epoch and resumed from its checkpoint ends
-with the same weights, bit for bit, as a run that was never stopped; and every rank draws
+with the same weights, bit for bit, as a run that was never stopped (with PowerSGD, to
+rounding); and every rank draws
 its own random numbers. Every test runs real processes."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import train
+from helpers.runs import train
 from PIL import Image
 
 # Two epochs of four steps; the stopped run ends after step 6, in the middle of epoch 2.
@@ -100,9 +101,14 @@ def stop_and_resume(tmp_path: Path, overrides: list[str]) -> tuple[Path, Path]:
 
 @pytest.mark.slow
 @THREE_RUNS
-def test_digits_with_powersgd_resume_exactly(tmp_path: Path, monkeypatch) -> None:
-    """Data order mid-epoch, and PowerSGD's error feedback and warm-start factors (compression
-    starts at step 3), carried over although the resumed process forms its own buckets.
+def test_digits_with_powersgd_resume_to_rounding(tmp_path: Path, monkeypatch) -> None:
+    """Data order mid-epoch, and PowerSGD's error feedback (kept as the ranks' mean) and
+    warm-start factors (compression starts at step 3), carried over although the resumed
+    process forms its own buckets. The mean gives the same computation in exact arithmetic;
+    the ranks' sums then add in another order, so the weights agree to rounding: their
+    difference is a millionth of what the two resumed steps changed (measured here: 1.0e-6,
+    largest element 6e-8), where a lost or altered error feedback changes the compressed
+    gradient itself.
 
     PowerSGD multiplies gradient matrices where they lie in DDP's buckets; MKL's results
     depend on their memory alignment, which changes with the buckets, unless MKL is asked
@@ -110,7 +116,15 @@ def test_digits_with_powersgd_resume_exactly(tmp_path: Path, monkeypatch) -> Non
     monkeypatch.setenv("MKL_CBWR", "AUTO,STRICT")
     overrides = [*TWO_RANKS, "data=digits", "data.batch_size=16", "strategy.comm_hook=powersgd"]
     resumed, uninterrupted = stop_and_resume(tmp_path, overrides)
-    assert_same_weights(resumed, uninterrupted)
+    saved = torch.load(tmp_path / "stopped" / "checkpoints" / "last.ckpt", weights_only=True)
+    a, b = final_weights(resumed), final_weights(uninterrupted)
+    learned = [k for k in b if b[k].is_floating_point() and f"model.{k}" in saved["state_dict"]]
+    apart = sum(float((a[k].double() - b[k].double()).pow(2).sum()) for k in learned)
+    moved = sum(
+        float((b[k].double() - saved["state_dict"][f"model.{k}"].double()).pow(2).sum())
+        for k in learned
+    )
+    assert moved > 0 and (apart / moved) ** 0.5 < 1e-4, (apart, moved)
     record = json.loads((resumed / "results.json").read_text())
     assert record["global_step"] == 8 and record["resumed_from"].endswith("last.ckpt")
 
@@ -153,7 +167,7 @@ class _RandomlyAugmented(torch.utils.data.Dataset):
 
 
 def _loader(rank: int, workers: int):
-    from ddp_template.worker.resumable_loader import (
+    from ddp_template.resume.loader import (
         ResumableDataLoader,
         ResumableDistributedSampler,
         SeededSamples,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ddp_template.callbacks.resume_agreement import disagreement
+from ddp_template.resume.agreement import disagreement
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import (
+from helpers.runs import (
     FIRST_EPOCH_STEPS,
     ROOT,
     TWO_EPOCHS,
@@ -119,7 +119,7 @@ def test_an_optuna_sweep_continues_its_study(tmp_path: Path) -> None:
 
 
 def test_results_of_a_finished_job_are_told_from_a_torn_file(tmp_path: Path) -> None:
-    from ddp_template.config.resume_folder import finished_results
+    from ddp_template.resume.folder import finished_results
 
     assert finished_results(tmp_path) is None
     (tmp_path / "results.json").write_text('{"finished_at": "now", "val/acc_b')
@@ -129,7 +129,7 @@ def test_results_of_a_finished_job_are_told_from_a_torn_file(tmp_path: Path) -> 
 
 
 def test_a_stopped_sweep_says_how_to_continue_it(tmp_path: Path, monkeypatch) -> None:
-    from ddp_template.worker.preemption import interrupted_sweep_message
+    from ddp_template.resume.preemption import interrupted_sweep_message
 
     argv = ["train.py", "-m", "seed=1,2,3", "hydra.sweep.dir=old", "resume=true"]
     monkeypatch.setattr(sys, "argv", argv)

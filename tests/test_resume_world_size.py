@@ -9,10 +9,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import results, train
+from helpers.runs import results, train
 from torch.utils.data import Dataset
 
-from ddp_template.worker.resumable_loader import (
+from ddp_template.resume.loader import (
     ResumableDataLoader,
     ResumableDistributedSampler,
     SeededSamples,
@@ -215,3 +215,89 @@ def test_resumed_at_another_world_size_from_an_epoch_end(tmp_path: Path) -> None
     assert record["samples_trained"] == 2 * TRAIN_ROWS
     assert [(a["world_size"], a["start_step"]) for a in record["attempts"]] == [(2, 0), (1, 3)]
     assert sorted(trained_ids(second)) == list(range(TRAIN_ROWS))
+
+
+@pytest.mark.parametrize(
+    ("batch", "epoch_share", "resumed_batch"),
+    [
+        # A whole epoch's 24 = 15 + 9 has no batch of one; the resumed 16 = 15 + 1 has.
+        (15, 24, 15),
+        # A whole epoch's 24 = 23 + 1 leaves its last sample out; the resumed 16 nothing.
+        (23, 23, 16),
+    ],
+)
+def test_the_lone_sample_rule_follows_the_resumed_share(
+    batch: int, epoch_share: int, resumed_batch: int
+) -> None:
+    """A BatchNorm model's loader leaves out a batch of one: of the share the resumed epoch
+    deals each rank, not of a whole epoch's. 48 samples, 2 steps of 1 rank x 8 leave 32:
+    16 for each of 2 ranks."""
+    size = 48
+    stopped = _loaders(size, 1, 8)
+    first = _train(stopped, epoch=0, steps=2)
+    dataset = _Ids(size)
+    resumed = []
+    for rank in range(2):
+        sampler = ResumableDistributedSampler(
+            dataset, 2, rank, shuffle=True, seed=3, batch_size=batch, drop_lone_sample=True
+        )
+        assert len(sampler) == epoch_share
+        loader = ResumableDataLoader(SeededSamples(dataset), batch_size=batch, sampler=sampler)
+        loader.load_state_dict(stopped[0].state_dict())
+        resumed.append(loader)
+    assert resumed[0].batches_left() == 1
+    for loader in resumed:
+        loader.sampler.set_epoch(0)
+    batches = [[int(i) for i in b] for loader in resumed for b in loader]
+    assert [len(ids) for ids in batches] == [resumed_batch, resumed_batch]
+    trained = first + [i for ids in batches for i in ids]
+    assert len(set(trained)) == len(trained) == 16 + 2 * resumed_batch
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # two runs of train.py
+@pytest.mark.parametrize(
+    ("batch", "trained"),
+    [
+        # 2 ranks x 91 rows left in batches of 45: 45 + 45 + 1, the lone row left out. A
+        # rule decided from the whole epoch (155 = 3 x 45 + 20) kept it: BatchNorm raised.
+        (45, TRAIN_ROWS - 2),
+        # Batches of 14: 91 = 6 x 14 + 7, nothing to leave out. A rule decided from the
+        # whole epoch (155 = 11 x 14 + 1) dropped the last batch: 7 rows on each rank.
+        (14, TRAIN_ROWS),
+    ],
+    ids=["lone-row-left-out", "nothing-left-out"],
+)
+def test_a_batchnorm_model_resumed_at_another_world_size_trains_its_share(
+    tmp_path: Path, batch: int, trained: int
+) -> None:
+    """The regression task's model has BatchNorm; 1 rank x 64 stops after 2 steps (128 of
+    the 310 rows), 2 ranks resume with another batch size."""
+    stopped, resumed = tmp_path / "stopped", tmp_path / "resumed"
+    one_epoch = [o for o in ONE_EPOCH if not o.startswith("data.batch_size=")]
+    proc = train(
+        *one_epoch,
+        "data.batch_size=64",
+        "devices=1",
+        "+callbacks.stop._target_=faults.StopAfterCheckpoint",
+        "+callbacks.stop.step=2",
+        f"hydra.run.dir={stopped}",
+        cwd=tmp_path,
+        check=False,
+    )
+    checkpoint = stopped / "checkpoints" / "last.ckpt"
+    assert proc.returncode != 0 and checkpoint.is_file(), proc.stderr[-3000:]
+    proc = train(
+        *one_epoch,
+        f"data.batch_size={batch}",
+        "devices=2",
+        f"ckpt_path={checkpoint}",
+        f"hydra.run.dir={resumed}",
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = Counter(trained_ids(stopped) + trained_ids(resumed))
+    assert set(counts.values()) == {1} and len(counts) == trained
+    # 45 + 45 (the lone row left out), or 6 x 14 + 7, on each rank.
+    assert results(resumed)["global_step"] == 2 + (2 if batch == 45 else 7)

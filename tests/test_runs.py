@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import FAST, results, train
+from helpers.runs import FAST, results, train
 
 from ddp_template.tasks.image_classification.model import build_resnet
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_train
+from helpers.runs import compose_train
 from omegaconf import open_dict
 
-from ddp_template.config.checks import check_config
+from ddp_template.config.checks import resolve_and_check
 from ddp_template.errors import ConfigError
 
 # (overrides, the key named, a word of what is allowed)
@@ -86,7 +86,7 @@ def test_refused_with_key_value_allowed_and_fix(
     cfg = compose_train(*overrides)
     start = time.monotonic()
     with pytest.raises(ConfigError) as refused:
-        check_config(cfg)
+        resolve_and_check(cfg)
     # Measured at a few tenths of a second; a generous bound that still catches a hang.
     assert time.monotonic() - start < 20
     message = str(refused.value)
@@ -109,7 +109,7 @@ def test_checking_leaves_no_traces(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     with open_dict(cfg):
         cfg.paths.output_dir = str(tmp_path / "run")
     environment = dict(os.environ)
-    check_config(cfg)
+    resolve_and_check(cfg)
     assert list(tmp_path.iterdir()) == []
     assert dict(os.environ) == environment
     assert not torch.are_deterministic_algorithms_enabled()

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import CPU, FAST, ROOT, start, train
+from helpers.runs import CPU, FAST, ROOT, start, train
 
 LONG_DDP = [
     CPU,
@@ -64,6 +64,7 @@ def test_a_stopped_run_ends_at_once_and_says_how_to_resume(tmp_path: Path, how: 
     time.sleep(2)
     assert ranks[0].is_running()
 
+    saved_before = last.stat().st_mtime_ns
     stopped = time.time()
     if how == "ctrl-c to every process":
         os.killpg(proc.pid, signal.SIGINT)
@@ -83,8 +84,12 @@ def test_a_stopped_run_ends_at_once_and_says_how_to_resume(tmp_path: Path, how: 
     assert line.startswith(f"error: stopped by {name}; the last checkpoint is {last}")
     command = shlex.split(line.split("resume with: ", 1)[1])
     assert command[:2] == [sys.executable, str(ROOT / "train.py")]
-    assert command[-1] == f"ckpt_path={last}"
-    assert "strategy=ddp" in command and not any(a.startswith("hydra.run.dir") for a in command)
+    # The same folder: a new one (ckpt_path=) would start a new best-model record.
+    assert command[-2:] == [f"hydra.run.dir={tmp_path / 'run'}", "resume=true"]
+    assert "strategy=ddp" in command and "hydra.run.dir=run" not in command
+    # Every rank saved at the signal, at a step all of them agreed on.
+    assert last.stat().st_mtime_ns > saved_before
+    assert f"Preempted ({name}): saved {last} at step" in out, out[-3000:]
     stacks = (tmp_path / "run" / "logs" / "attempt_0").glob("*/stderr.log")
     assert any("most recent call first" in f.read_text() for f in stacks)
 
@@ -117,10 +122,12 @@ def test_a_failed_sweep_job_leaves_no_watchdog_armed(tmp_path: Path) -> None:
 
 def test_the_resume_command_names_the_running_interpreter(tmp_path: Path, monkeypatch) -> None:
     """Typed in the folder the run was started from, it runs this interpreter (the project's
-    .venv/bin/python from the project's folder), not whatever `python` is on the PATH."""
-    from ddp_template.worker.preemption import interrupted_message
+    .venv/bin/python from the project's folder), not whatever `python` is on the PATH, and
+    continues in the run's own folder."""
+    from ddp_template.resume.preemption import interrupted_message
 
-    (tmp_path / "last.ckpt").write_bytes(b"")
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"")
     monkeypatch.setattr(sys, "argv", ["train.py", "strategy=ddp"])
     project = Path(sys.executable).parents[2]
     for folder, interpreter in (
@@ -128,14 +135,16 @@ def test_the_resume_command_names_the_running_interpreter(tmp_path: Path, monkey
         (tmp_path, sys.executable),
     ):
         monkeypatch.chdir(folder)
-        line = interrupted_message(signal.SIGINT, tmp_path, ["strategy=ddp", "hydra.run.dir=x"])
+        overrides = ["strategy=ddp", "hydra.run.dir=x", "resume=false"]
+        line = interrupted_message(signal.SIGINT, tmp_path, overrides)
         command = shlex.split(line.split("resume with: ", 1)[1])
         assert (folder / command[0]).is_file()
         assert command == [
             str(interpreter),
             "train.py",
             "strategy=ddp",
-            f"ckpt_path={tmp_path / 'last.ckpt'}",
+            f"hydra.run.dir={tmp_path}",
+            "resume=true",
         ]
 
 
@@ -144,7 +153,7 @@ def _first_stops(rank: int, port: int, results) -> None:
     step at which the agreement says stop."""
     import torch.distributed as dist
 
-    from ddp_template.worker.preemption import FlagAgreement
+    from ddp_template.resume.preemption import FlagAgreement
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -170,7 +179,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step() -> None:
 
 
 def test_flag_agreement_without_a_process_group_reads_its_own_flag_later() -> None:
-    from ddp_template.worker.preemption import FlagAgreement
+    from ddp_template.resume.preemption import FlagAgreement
 
     agreement = FlagAgreement(2, torch.device("cpu"))
     assert [agreement.step(flag) for flag in (0, 1, 2, 0)] == [0, 0, 0, 1]
@@ -179,7 +188,7 @@ def test_flag_agreement_without_a_process_group_reads_its_own_flag_later() -> No
 
 def test_decide_after_steps_must_be_a_whole_number() -> None:
     from ddp_template.errors import ConfigError
-    from ddp_template.worker.preemption import PreemptionCheckpoint
+    from ddp_template.resume.preemption import PreemptionCheckpoint
 
     with pytest.raises(ConfigError, match="decide_after_steps=-1 is not valid"):
         PreemptionCheckpoint(decide_after_steps=-1)
@@ -188,7 +197,7 @@ def test_decide_after_steps_must_be_a_whole_number() -> None:
 def test_a_preempted_rank_leaves_sigterm_ignored_while_it_ends() -> None:
     """The requeue's SIGTERM may arrive while Lightning shuts down: restored, Lightning's
     handler would broadcast to a rank already gone and the job would record a failure."""
-    from ddp_template.worker.preemption import Preempted, PreemptionCheckpoint
+    from ddp_template.resume.preemption import Preempted, PreemptionCheckpoint
 
     before = signal.getsignal(signal.SIGTERM)
     try:
@@ -205,7 +214,7 @@ def test_a_preempted_rank_leaves_sigterm_ignored_while_it_ends() -> None:
 def test_lightnings_per_step_sigterm_broadcast_is_off_while_the_callback_owns_sigterm() -> None:
     import lightning as L
 
-    from ddp_template.worker.preemption import (
+    from ddp_template.resume.preemption import (
         PreemptionCheckpoint,
         _skip_lightnings_sigterm_broadcast,
     )

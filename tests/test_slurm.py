@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import (
+from helpers.runs import (
     FAST,
     FIRST_EPOCH_STEPS,
     HELPERS,
@@ -26,6 +26,7 @@ from conftest import (
     results,
     train,
 )
+from helpers.slurm_jobs import job_logs, wait_for_step, wait_for_training_again, wait_until
 
 # Two tasks of one CPU each, a few steps: a DDP job of a few seconds once started.
 TINY_SLURM = ["-m", "launcher=slurm", "strategy=ddp", "devices=2", *FAST]
@@ -159,16 +160,16 @@ def test_preempted_job_saves_requeues_and_resumes_exactly(slurm, tmp_path: Path)
     queued = _sweep(PREEMPT_RUN, tmp_path / "slurm")
     job_id = None
     try:
-        job = _wait_for_step(queued, tmp_path / "slurm", SIGNAL_AT_STEP)
+        job = wait_for_step(queued, tmp_path / "slurm", SIGNAL_AT_STEP)
         job_id = next((_sweep_folder(tmp_path / "slurm") / ".submitit").glob("[0-9]*")).name
         signalled = time.time()
         os.kill(_rank_pid(job_id, 1), signal.SIGUSR2)
         # The requeued job waits for its begin time (cred_expire + 1 s: 11 s here, 121 s
         # by default) after every task exited.
-        _wait_until(lambda: _job_state(job_id).get("JobState") == "PENDING", 120)
+        wait_until(lambda: _job_state(job_id).get("JobState") == "PENDING", 120)
         pending = time.time()
-        trained_again = _wait_for_training_again(job, queued)
-        _wait_for_step(queued, tmp_path / "slurm", TERM_AT_STEP)
+        trained_again = wait_for_training_again(job, queued)
+        wait_for_step(queued, tmp_path / "slurm", TERM_AT_STEP)
         subprocess.run(["scontrol", "requeue", job_id], check=True)
         # The reference, uninterrupted, while the job waits and resumes.
         plain = train(*PREEMPT_RUN, "hydra.run.dir=run", cwd=tmp_path / "plain", timeout=500)
@@ -185,7 +186,7 @@ def test_preempted_job_saves_requeues_and_resumes_exactly(slurm, tmp_path: Path)
     assert record["requeues"] == 2 and record["resumed_from"] == str(
         job / "checkpoints" / "last.ckpt"
     )
-    logs = _job_logs(job)
+    logs = job_logs(job, tasks="0")
     # Rank 0 never got the signal: it names SIGUSR2 because the ranks agreed on rank 1's.
     by_rank_1 = re.search(
         r"Preempted \(SIGUSR2\): saved .* at step (\d+) \(epoch 1, batch (\d+)\); requeued", logs
@@ -230,7 +231,7 @@ def test_a_job_that_cannot_requeue_ends_with_the_command_that_resumes_it(
     )
     job_id = None
     try:
-        job = _wait_for_step(queued, tmp_path / "slurm", 5)
+        job = wait_for_step(queued, tmp_path / "slurm", 5)
         job_id = next((_sweep_folder(tmp_path / "slurm") / ".submitit").glob("[0-9]*")).name
         subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
         plain = subprocess.Popen(
@@ -254,58 +255,23 @@ def test_a_job_that_cannot_requeue_ends_with_the_command_that_resumes_it(
     assert f"saved {last} at step" in line and "requeueing SLURM job" in line, line
     assert _job_state(job_id).get("JobState") == "FAILED"
     command = line.split("resume with: ", 1)[1]
-    assert command.endswith(f"ckpt_path={last}") and " -m " in command
+    # The same sweep, continued in its folder: this job resumes there.
+    assert command.endswith(f"hydra.sweep.dir={job.parent} resume=true") and " -m " in command
     resumed = subprocess.run(
         ["bash", "-c", command], env=_env(), capture_output=True, text=True, timeout=500
     )
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert plain.wait(timeout=500) == 0, plain.stderr.read()[-3000:]
-    (finished,) = [p for p in (tmp_path / "slurm" / "multirun").glob("*/*/0") if p != job]
+    finished = job
     record = results(finished)
     first, again = record["attempts"]
     assert first["began"] == "fresh" and first["start_step"] == 0
-    assert again["began"] == "ckpt_path" and again["start_step"] >= 5
+    assert again["began"] == "resume" and again["start_step"] >= 5
     assert record["global_step"] == 2 * STEPS_PER_EPOCH
     mine = torch.load(finished / "model.pt", weights_only=True)
     reference = torch.load(tmp_path / "plain" / "run" / "model.pt", weights_only=True)
     assert mine.keys() == reference.keys()
     assert all(torch.equal(mine[k], reference[k]) for k in mine)
-
-
-def _job_logs(job: Path) -> str:
-    submitit = job.parent / ".submitit"
-    return "".join(p.read_text(errors="replace") for p in sorted(submitit.glob("*/*_0_log.err")))
-
-
-def _wait_until(condition, seconds: float) -> None:
-    deadline = time.time() + seconds
-    while not condition():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.2)
-
-
-def _wait_for_step(proc: subprocess.Popen, root: Path, step: int) -> Path:
-    deadline = time.time() + 300
-    while True:
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        assert time.time() < deadline, "the job did not reach the step"
-        files = list(root.glob("multirun/*/*/0/step"))
-        if files and int(files[0].read_text().split()[0]) >= step:
-            return files[0].parent
-        time.sleep(0.1)
-
-
-def _wait_for_training_again(job: Path, proc: subprocess.Popen) -> float:
-    """When rank 0 of the requeued job finishes a step after the resumed one."""
-    resumed = int((job / "step").read_text().split()[0])
-    deadline = time.time() + 300
-    while True:
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        assert time.time() < deadline, "the requeued job did not train again"
-        step, at = (job / "step").read_text().split()
-        if int(step) != resumed:
-            return float(at)
-        time.sleep(0.1)
 
 
 def test_a_partition_that_does_not_exist_is_refused_before_queueing(slurm, tmp_path) -> None:

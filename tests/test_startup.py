@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import FAST, ROOT, TESTS, subprocess_env, train
+from helpers.runs import FAST, ROOT, TESTS, subprocess_env, train
 
 LANE_PROBE = "+callbacks.lane_probe._target_=lane_probe.LaneProbe"
 

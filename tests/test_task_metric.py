@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_train, results, train
+from helpers.runs import compose_train, results, train
 from hydra import compose, initialize_config_dir
 
-from ddp_template.config.checks import check_config
+from ddp_template.config.checks import resolve_and_check
 from ddp_template.errors import ConfigError
 from ddp_template.train import CONFIG_DIR
 
@@ -69,7 +69,7 @@ def test_a_bad_monitor_mode_is_refused_before_workers_start(run_dir: Path, tmp_p
 )
 def test_what_the_config_check_refuses(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as err:
-        check_config(compose_train(*overrides))
+        resolve_and_check(compose_train(*overrides))
     assert message in str(err.value)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import results, train
+from helpers.runs import results, train
 
 from ddp_template.tasks.regression.datamodule import RegressionDataModule
 from ddp_template.tasks.regression.module import RegressionModule
@@ -64,7 +64,9 @@ def test_ddp_run_keeps_the_checkpoint_of_lowest_validation_error(
     errors = validation_errors(run_dir)
     assert len(errors) == 6 and len(set(errors.values())) > 1, errors
     best_epoch = min(errors, key=errors.__getitem__)
-    assert out["val/mse_best"] == pytest.approx(errors[best_epoch], rel=1e-6)
+    assert out["val/mse_best"] == pytest.approx(errors[best_epoch], rel=1e-6), (
+        f"val/mse_best {out['val/mse_best']}, expected the lowest epoch's {errors}"
+    )
     # The epoch lines and the summary report the same best, and say which way is better.
     (last_line,) = [line for line in proc.stdout.splitlines() if "epoch 6/6" in line]
     assert f"best val/mse {out['val/mse_best']:.4g}" in last_line
@@ -85,4 +87,7 @@ def test_ddp_run_keeps_the_checkpoint_of_lowest_validation_error(
     # after standardisation), which scores the test targets' mean square.
     _, test_targets = datamodule.test_set.tensors
     predicting_the_mean = float((test_targets**2).mean())
-    assert out["test/mse"] < 0.8 * predicting_the_mean, (out["test/mse"], predicting_the_mean)
+    assert out["test/mse"] < 0.8 * predicting_the_mean, (
+        f"test/mse {out['test/mse']}, expected below 0.8 x {predicting_the_mean:.4g}, the "
+        "error of predicting the training mean: the model does not learn"
+    )

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import results, train
-from torch.utils.data import DataLoader, DistributedSampler
+from helpers.runs import results, train
 
 from ddp_template.errors import ConfigError
 from ddp_template.tasks.tabular_classification.datamodule import TabularClassificationDataModule
-from ddp_template.tasks.tabular_classification.model import build_mlp, require_no_batch_of_one
+from ddp_template.tasks.tabular_classification.model import build_mlp
 
 TASK = "task=tabular_classification"
 QUIET = ["trainer.enable_model_summary=false", "logger=none"]
@@ -47,15 +46,6 @@ def test_batch_norm_layers_are_what_sync_batchnorm_converts() -> None:
     assert not any(isinstance(m, torch.nn.BatchNorm1d) for m in synced.modules())
 
 
-def test_a_training_batch_of_one_sample_is_refused() -> None:
-    data = torch.utils.data.TensorDataset(torch.zeros(455, 3))
-    sampler = DistributedSampler(data, num_replicas=2, rank=0)  # 228 samples per rank
-    require_no_batch_of_one(DataLoader(data, batch_size=32, sampler=sampler))
-    with pytest.raises(ConfigError, match="data.batch_size=227"):
-        require_no_batch_of_one(DataLoader(data, batch_size=227, sampler=sampler))
-    require_no_batch_of_one(DataLoader(data, batch_size=227, sampler=sampler, drop_last=True))
-
-
 @pytest.mark.parametrize(
     "option,message",
     [
@@ -76,7 +66,10 @@ def test_default_run_on_one_process(run_dir: Path, tmp_path: Path) -> None:
     assert out["config"]["data"]["name"] == "breast_cancer"
     assert out["world_size"] == 1
     # Far above the majority class (63%): the model learns; the exact figure varies by CPU.
-    assert out["test/acc"] >= 0.9, out["test/acc"]
+    assert out["test/acc"] >= 0.9, (
+        f"test accuracy {out['test/acc']} on breast cancer, expected >= 0.9 (the majority "
+        "class alone scores 0.63): the model does not learn"
+    )
     state = torch.load(run_dir / "model.pt", weights_only=True, map_location="cpu")
     build_mlp(num_features=30, num_classes=2).load_state_dict(state)
 
@@ -90,7 +83,10 @@ def test_default_run_on_two_ddp_processes(run_dir: Path, tmp_path: Path) -> None
         and out["global_batch_size"] == 2 * out["config"]["data"]["batch_size"]
     )
     # Far above the majority class (63%): the model learns; the exact figure varies by CPU.
-    assert out["test/acc"] >= 0.9, out["test/acc"]
+    assert out["test/acc"] >= 0.9, (
+        f"test accuracy {out['test/acc']} on breast cancer, expected >= 0.9 (the majority "
+        "class alone scores 0.63): the model does not learn"
+    )
 
 
 @pytest.mark.slow
@@ -100,4 +96,7 @@ def test_wine(run_dir: Path, tmp_path: Path) -> None:
     assert out["config"]["data"]["name"] == "wine"
     # 36 test samples, 3 classes (the largest 40%): at most 7 errors says the model learns,
     # with room for another CPU's rounding (a model that learns nothing stays near 40%).
-    assert out["test/acc"] >= 0.8, out["test/acc"]
+    assert out["test/acc"] >= 0.8, (
+        f"test accuracy {out['test/acc']} on wine, expected >= 0.8 (the largest class "
+        "alone scores 0.4): the model does not learn"
+    )

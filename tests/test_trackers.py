@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import FAST, compose_train, free_port, results, train
+from helpers.runs import FAST, compose_train, free_port, results, train
 
 from ddp_template.errors import ConfigError
 from ddp_template.worker.trackers import SERVER_TIMEOUT_S, check_trackers
@@ -145,7 +145,7 @@ def test_wandb_online_without_an_account_is_refused(monkeypatch, tmp_path: Path)
 def test_learning_rate_monitor_is_left_out_without_a_tracker() -> None:
     from lightning.pytorch.callbacks import LearningRateMonitor
 
-    from ddp_template.worker.build import build_callbacks
+    from ddp_template.build import build_callbacks
 
     def monitors(*overrides: str) -> int:
         callbacks = build_callbacks(compose_train(*overrides))

@@ -9,7 +9,7 @@ per-step all-reduce needs. Evaluation shards are *not* padded: every sample is s
 once, so metrics synchronised over ranks equal those of a single process.
 
 Training loaders resume mid-epoch, at any world size and batch size, and seed each batch's
-augmentation (worker/resumable_loader.py).
+augmentation (resume/loader.py).
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from ddp_template.errors import ConfigError
-from ddp_template.worker.resumable_loader import (
+from ddp_template.resume.loader import (
     ResumableDataLoader,
     ResumableDistributedSampler,
     SeededSamples,
+    is_lone_sample_left,
 )
 
 Splits = tuple[Dataset, Dataset, Dataset]
@@ -172,8 +173,9 @@ class ShardedDataModule(L.LightningDataModule):
                 seed=self.seed,
                 drop_last=self.drop_last,
                 batch_size=self.batch_size,
+                # Decided for each iteration's own share: a resumed epoch's differs.
+                drop_lone_sample=cannot_train_on_one_sample(self._model),
             )
-            drop_last = drop_last or drops_lone_sample(len(sampler), self.batch_size, self._model)
         else:
             size = len(dataset) if isinstance(dataset, Sized) else world_size
             require_one_sample_per_rank(size, world_size)
@@ -208,7 +210,7 @@ class ShardedDataModule(L.LightningDataModule):
 def data_sets_of(module: types.ModuleType) -> list[str]:
     """The `data=` names whose conf/data/<name>.yaml names a class of `module` (a task's
     sources module) as its `source`."""
-    from ddp_template.config import CONFIG_DIR
+    from ddp_template.project import CONFIG_DIR
 
     classes = {name for name, value in vars(module).items() if isinstance(value, type)}
     return sorted(
@@ -227,10 +229,15 @@ def drops_lone_sample(shard: int, batch_size: int, model: torch.nn.Module | None
     """Whether a rank's last training batch is one sample that the model cannot train on:
     BatchNorm computes a batch's spread, which one sample does not have (it raises where
     the layer sees one value per channel). That sample is left out of the epoch, as
-    `data.drop_last=true` would; the order changes every epoch, so it trains in others."""
-    if model is None or shard % batch_size != 1 or shard == 1:
-        return False
-    return any(
+    `data.drop_last=true` would; the order changes every epoch, so it trains in others.
+    The training sampler applies this to each iteration's share, a resumed epoch's too
+    (`ResumableDistributedSampler.share`)."""
+    return cannot_train_on_one_sample(model) and is_lone_sample_left(shard, batch_size)
+
+
+def cannot_train_on_one_sample(model: torch.nn.Module | None) -> bool:
+    """A model with BatchNorm (see `drops_lone_sample`)."""
+    return model is not None and any(
         isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) for layer in model.modules()
     )
 

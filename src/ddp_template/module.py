@@ -62,6 +62,13 @@ class TaskModule(L.LightningModule):
         self.scheduler_factory = scheduler
         self.scheduler_interval = scheduler_interval
 
+    def configure_model(self) -> None:
+        """`strategy=fsdp` shards the network here (Lightning calls this on every rank
+        before the optimizer is built); other strategies have no `shard` and leave it."""
+        shard = getattr(self.trainer.strategy, "shard", None) if self._trainer else None
+        if shard is not None:
+            shard(self.model)
+
     def configure_optimizers(self) -> Any:
         return optim.configure(
             self.parameters(),

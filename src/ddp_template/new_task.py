@@ -8,7 +8,9 @@ Copies an existing task of the project, built-in or made by this command before:
 
 and renames, in every copied file, the package (`TASK` -> `NAME`) and the class names
 (`<Task>Module`, `<Task>DataModule` and any other class starting with the task's CamelCase
-name). Nothing else changes: the copy starts from the task as it is today.
+name). Nothing else changes: the copy starts from the task as git's last commit holds
+it (uncommitted edits of its files are left out and named; `--with-edits` copies them too),
+or as it is where git holds no version of it.
 
 Every check runs before anything is written. The files are written into a staging folder
 inside the project first, then moved into place (renames on one file system); if a move
@@ -24,6 +26,7 @@ import keyword
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -31,6 +34,7 @@ from importlib.machinery import PathFinder
 from pathlib import Path
 
 from ddp_template.errors import ConfigError, UserFacingError
+from ddp_template.project import interpreter_in
 
 # The checkout this package lives in (as for train.py's conf/).
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -85,13 +89,37 @@ def renamer(source: str, name: str) -> Callable[[str], str]:
     return rename
 
 
-def copy_of(source: str, name: str, root: Path) -> dict[Path, str]:
-    """Every file of the new task (path relative to the project -> text); writes nothing."""
+def copy_of(
+    source: str, name: str, root: Path, with_edits: bool = False
+) -> tuple[dict[Path, str], list[Path]]:
+    """Every file of the new task (path relative to the project -> text), and the files of
+    `source` whose uncommitted edits were left out; writes nothing."""
     rename = renamer(source, name)
-    return {
-        target: rename((root / relative).read_text(encoding="utf-8"))
-        for relative, target in task_files(source, name, root).items()
-    }
+    files: dict[Path, str] = {}
+    left_out: list[Path] = []
+    for relative, target in task_files(source, name, root).items():
+        current = (root / relative).read_text(encoding="utf-8")
+        committed = None if with_edits else committed_text(root, relative)
+        if committed is not None and committed != current:
+            left_out.append(relative)
+        files[target] = rename(current if committed is None else committed)
+    return files, left_out
+
+
+def committed_text(root: Path, relative: Path) -> str | None:
+    """The file as git's last commit holds it, None where it has none (no git, no checkout,
+    a file never committed). A copy starts from the task as committed: an edit tried on a
+    built-in task (say, another network in its config) is not carried into every task made
+    from it unless asked (`--with-edits`)."""
+    try:
+        shown = subprocess.run(
+            ["git", "-C", str(root), "show", f"HEAD:./{relative.as_posix()}"],
+            capture_output=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return shown.stdout.decode("utf-8") if shown.returncode == 0 else None
 
 
 def check_name(name: str) -> None:
@@ -207,14 +235,24 @@ def _move(source: Path, target: Path) -> None:
     os.rename(source, target)
 
 
-def create_task(name: str, source: str = DEFAULT_SOURCE, root: Path = PROJECT_ROOT) -> list[Path]:
-    """Checks everything, then writes the new task; returns its files (relative to root)."""
+def create_task(
+    name: str,
+    source: str = DEFAULT_SOURCE,
+    root: Path = PROJECT_ROOT,
+    with_edits: bool = False,
+    left_out: list[Path] | None = None,
+) -> list[Path]:
+    """Checks everything, then writes the new task; returns its files (relative to root).
+    The files of `source` are copied as committed unless `with_edits`; those whose
+    uncommitted edits were left out are added to `left_out`."""
     check_name(name)
     check_root(root)
     check_source(source, root)
-    files = copy_of(source, name, root)
+    files, edited = copy_of(source, name, root, with_edits)
     check_new(files, root, name)
     write_all(files, root)
+    if left_out is not None:
+        left_out += edited
     return list(files)
 
 
@@ -237,9 +275,16 @@ def main(argv: list[str] | None = None) -> int:
         default=PROJECT_ROOT,
         help="the project folder to write into (default: the checkout of this package)",
     )
+    parser.add_argument(
+        "--with-edits",
+        action="store_true",
+        help="copy the task's files as they are now, uncommitted edits included (default: "
+        "as git's last commit holds them, where it holds them)",
+    )
     args = parser.parse_args(argv)
+    left_out: list[Path] = []
     try:
-        files = create_task(args.name, args.source, args.root.resolve())
+        files = create_task(args.name, args.source, args.root.resolve(), args.with_edits, left_out)
     except UserFacingError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -254,6 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Created task={args.name} (a copy of {args.source}):")
     for path in files:
         print(f"  {path.as_posix()}")
+    if left_out:
+        edited = ", ".join(p.as_posix() for p in left_out)
+        print(
+            f"Copied as committed, without their uncommitted edits: {edited} (--with-edits copies them)"
+        )
     if Path.cwd().resolve() != root:
         print(f"From {root}:")
     python = interpreter_in(root)
@@ -266,16 +316,6 @@ def main(argv: list[str] | None = None) -> int:
             run_test = f"bash scripts/setup.sh dev && {run_test}"
         print(f"Test it:   {run_test}")
     return 0
-
-
-def interpreter_in(folder: Path) -> str:
-    """The running interpreter as typed in `folder`: `.venv/bin/python` for the project's
-    own environment (a bare `python` may be another one, without the project), else its
-    full path."""
-    try:
-        return Path(sys.executable).relative_to(folder).as_posix()
-    except ValueError:
-        return sys.executable
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, cast
 
@@ -129,12 +130,15 @@ def drop_run_length_state(checkpoint: dict[str, Any]) -> None:
             state.pop(name, None)
 
 
-def fit_schedule_to_resumed_run(trainer: L.Trainer, module: L.LightningModule, epoch: int) -> None:
-    """A run resumed in `epoch` (after Lightning counted that epoch's batches done): its
-    schedule, counted in steps, lasts the run's real length, the steps done before plus those
-    left at this run's world size and batch size. At the same world size and batch size that
-    is the length the scheduler was built with (nothing changes); at another, OneCycleLR would
-    otherwise end too early or step past its end (and raise)."""
+def fit_schedule_to_resumed_run(
+    trainer: L.Trainer, module: L.LightningModule, epoch: int, batches_done: int
+) -> None:
+    """A run resumed in `epoch` with `batches_done` of its batches at this world size and
+    batch size counted done: a schedule counted in steps continues as an uninterrupted run
+    of this shape would from that place (docs/resume.md): its length is that run's, the
+    steps it had taken there its step count, and the learning rates (momentum too) its
+    values at that step. At the shape the checkpoint was saved at nothing changes; at
+    another, OneCycleLR would otherwise step past its end (and raise) or end early."""
     factory = getattr(module, "scheduler_factory", None)
     if factory is None or getattr(module, "scheduler_interval", None) != "step":
         return
@@ -142,32 +146,64 @@ def fit_schedule_to_resumed_run(trainer: L.Trainer, module: L.LightningModule, e
     endless = trainer.max_epochs is None or trainer.max_epochs < 1
     if not missing or endless or trainer.num_training_batches == float("inf"):
         return
-    length = trainer.global_step + _steps_left(trainer, epoch)
-    if trainer.max_steps != -1:
-        length = min(length, trainer.max_steps)
+    done, left = _steps_of_this_shape(trainer, epoch, batches_done)
+    length = done + left
     for config in trainer.lr_scheduler_configs:
         scheduler = config.scheduler
-        if all(getattr(scheduler, name, length) == length for name in missing):
+        lengths_agree = all(getattr(scheduler, name, length) == length for name in missing)
+        if lengths_agree and getattr(scheduler, "last_epoch", done) == done:
             continue
-        # The same schedule built for that length on a stand-in optimizer (building it on
-        # the real one would reset its learning rates); its length-derived state moves over.
-        optimizer = scheduler.optimizer
-        groups = [
-            {**{k: v for k, v in group.items() if k != "params"}, "params": [torch.zeros(1)]}
-            for group in optimizer.param_groups
-        ]
-        # Optimizer classes take their parameter groups first (the base class also defaults).
-        stand_in = cast(Any, type(optimizer))(groups)
-        fresh = factory(stand_in, **dict.fromkeys(missing, length)).state_dict()
-        for name in RUN_LENGTH_STATE:
-            if name in fresh:
-                setattr(scheduler, name, fresh[name])
+        _rebuild_at(
+            cast(torch.optim.lr_scheduler.LRScheduler, scheduler), factory, missing, length, done
+        )
 
 
-def _steps_left(trainer: L.Trainer, epoch: int) -> int:
+def _rebuild_at(
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    factory: SchedulerFactory,
+    missing: list[str],
+    length: int,
+    done: int,
+) -> None:
+    """The same schedule built for `length` steps on a stand-in optimizer (building it on
+    the real one would reset its state) and stepped `done` times from the start, as the
+    uninterrupted run stepped it: the same values, bit for bit (torch's schedulers compute
+    some recursively, CosineAnnealingLR among them). Its state and the hyperparameters it
+    sets (lr, momentum) move over to the real scheduler and optimizer. The stepping costs
+    a few microseconds a step, once per resume at another shape."""
+    optimizer = scheduler.optimizer
+    groups = [
+        {
+            **{k: v for k, v in group.items() if k != "params"},
+            # Where the uninterrupted run's optimizer started.
+            "lr": group.get("initial_lr", group["lr"]),
+            "params": [torch.zeros(1)],
+        }
+        for group in optimizer.param_groups
+    ]
+    # Optimizer classes take their parameter groups first (the base class also defaults).
+    stand_in = cast(Any, type(optimizer))(groups)
+    with warnings.catch_warnings():
+        # "lr_scheduler.step() before optimizer.step()": the stand-in never steps.
+        warnings.simplefilter("ignore", UserWarning)
+        fresh = factory(stand_in, **dict.fromkeys(missing, length))
+        for _ in range(done):
+            fresh.step()
+    scheduler.load_state_dict(fresh.state_dict())
+    for group, built in zip(optimizer.param_groups, stand_in.param_groups, strict=True):
+        group.update({k: v for k, v in built.items() if k != "params"})
+
+
+def _steps_of_this_shape(trainer: L.Trainer, epoch: int, batches_done: int) -> tuple[int, int]:
+    """(steps an uninterrupted run at this world size and batch size had taken at this
+    place, steps this attempt takes to the run's end, `max_steps` included)."""
     batches = int(trainer.num_training_batches)
-    per_epoch = math.ceil(batches / trainer.accumulate_grad_batches)
-    done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-    epochs_after = max(int(cast(int, trainer.max_epochs)) - epoch - 1, 0)
-    this_epoch = math.ceil(max(batches - done, 0) / trainer.accumulate_grad_batches)
-    return this_epoch + epochs_after * per_epoch
+    accumulate = trainer.accumulate_grad_batches
+    per_epoch = math.ceil(batches / accumulate)
+    max_epochs = int(cast(int, trainer.max_epochs))
+    this_epoch_left = math.ceil(max(batches - batches_done, 0) / accumulate)
+    left = this_epoch_left + max(max_epochs - epoch - 1, 0) * per_epoch
+    if trainer.max_steps != -1:
+        left = min(left, max(trainer.max_steps - trainer.global_step, 0))
+    done = min(epoch, max_epochs) * per_epoch + per_epoch - this_epoch_left
+    return done, left

@@ -22,9 +22,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from ddp_template.config import CONFIG_DIR, resolvers
+from ddp_template.config import resolvers
 from ddp_template.errors import UserFacingError
 from ddp_template.launch.agent import record_failures
+from ddp_template.project import CONFIG_DIR
 
 resolvers.register()
 
@@ -50,11 +51,13 @@ def main(cfg: DictConfig) -> float | None:
 
 def run(cfg: DictConfig) -> float | None:
     """Checks the config, starts the workers and returns the metric a sweep optimises."""
-    from ddp_template.config.checks import check_config
-    from ddp_template.config.resume_folder import finished_results
+    from ddp_template.config.checks import resolve_and_check
     from ddp_template.launch.agent import launch, single_threaded
+    from ddp_template.resume.folder import finished_results
     from ddp_template.worker.results import print_summary
 
+    if cfg.get("dry_run"):
+        return _dry_run(cfg)
     finished = finished_results(Path(cfg.paths.output_dir)) if cfg.get("resume") else None
     if finished is not None:
         # A job of a resumed sweep that finished before: its results, as they were.
@@ -63,7 +66,7 @@ def run(cfg: DictConfig) -> float | None:
         return finished.get(cfg.optimized_metric)
     try:
         with single_threaded():
-            check_config(cfg)
+            resolve_and_check(cfg)
         config = OmegaConf.to_container(cfg, resolve=True)
         results = launch(
             fit_and_test,
@@ -83,20 +86,35 @@ def run(cfg: DictConfig) -> float | None:
     return results.get(cfg.optimized_metric)
 
 
+def _dry_run(cfg: DictConfig) -> None:
+    """`debug=dry_run`: the plan at the configured size instead of a run (docs/dry_run.md)."""
+    from ddp_template.config.dry_run import DRY_RUN_FILE, plan
+    from ddp_template.config.dry_run_report import report_lines
+
+    try:
+        # No worker is forked after it: the checks and the timed step may use every thread.
+        figures = plan(cfg)
+    except UserFacingError as err:
+        return _report(err)
+    for line in report_lines(figures, str(Path(cfg.paths.output_dir) / DRY_RUN_FILE)):
+        print(line)
+    return None
+
+
 def _stopped_by_signal(cfg: DictConfig, signum: int) -> None:
-    """Ctrl-C or SIGTERM: the workers are stopped; one line says how to resume. A sweep
+    """Ctrl-C or SIGTERM: the workers saved and stopped; one line says how to resume (the
+    same command in the same folder, `resume=true`: as if it had never stopped). A sweep
     stops too (its other jobs would be interrupted the same way): the line gives the
     command that continues the whole sweep."""
-    from ddp_template.worker.preemption import interrupted_message, interrupted_sweep_message
+    from ddp_template.resume.preemption import interrupted_message, interrupted_sweep_message
 
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         sweep_dir = Path(HydraConfig.get().sweep.dir)
         print(f"error: {interrupted_sweep_message(signum, sweep_dir)}", file=sys.stderr)
         sys.exit(128 + int(signum))
-    checkpoints = cfg.get("callbacks", {}).get("model_checkpoint") or {}
-    folder = Path(checkpoints.get("dirpath") or Path(cfg.paths.output_dir) / "checkpoints")
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-    print(f"error: {interrupted_message(signum, folder, overrides)}", file=sys.stderr)
+    line = interrupted_message(signum, Path(cfg.paths.output_dir), overrides)
+    print(f"error: {line}", file=sys.stderr)
     sys.exit(128 + int(signum))
 
 
@@ -147,12 +165,13 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     """What every rank runs. Returns rank 0's results (None on the other ranks)."""
     import lightning as L
 
+    from ddp_template.build import build_task, build_trainer
     from ddp_template.callbacks.ddp_settings import DDPSettingsMonitor
     from ddp_template.debug import apply_debug_environment, explain_unused_parameters
-    from ddp_template.worker.attempts import requeue_count, restart_count
-    from ddp_template.worker.build import build_task, build_trainer
+    from ddp_template.resume.attempts import attempts_summary, requeue_count, restart_count
+    from ddp_template.resume.decision import resume_point
     from ddp_template.worker.compiling import compile_if_asked
-    from ddp_template.worker.node_check import nodes_of_job
+    from ddp_template.worker.node_agreement import nodes_of_job
     from ddp_template.worker.results import (
         RESULTS_FILE,
         WEIGHTS_FILE,
@@ -160,6 +179,7 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
         export_weights,
         write_json_atomic,
     )
+    from ddp_template.worker.sharding import bare_state_dict
     from ddp_template.worker.trackers import attach_results
 
     cfg = OmegaConf.create(config)
@@ -173,7 +193,7 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     datamodule, module = build_task(cfg)
     compile_if_asked(cfg, module)
     trainer = build_trainer(cfg)
-    ckpt_path = _resume_point(cfg)
+    ckpt_path = resume_point(cfg)
     with explain_unused_parameters(module):
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     # trainer.test replaces callback_metrics: keep what fit measured (throughput, memory).
@@ -186,12 +206,20 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
             module, datamodule=datamodule, ckpt_path="best" if best else None, verbose=False
         )
 
+    # Every rank: a sharded network is gathered onto rank 0.
+    bare_weights = bare_state_dict(module.model)
+    # Gloo's worker threads outlive a process group left to the interpreter's exit, which
+    # then aborts ("terminate called without an active exception", pytorch#190489): the
+    # last collective is done, so every rank leaves the group here.
+    _leave_process_group()
     if not trainer.is_global_zero:
         return None
     job_dir = Path(cfg.paths.output_dir)
     weights = job_dir / WEIGHTS_FILE
-    export_weights(module.model, weights)
-    results = collect_results(cfg, trainer, fit_metrics, test_metrics, weights)
+    export_weights(bare_weights, weights)
+    results = collect_results(
+        cfg, trainer, fit_metrics, test_metrics, weights, attempts_summary(trainer)
+    )
     results["restarts"] = restart_count()
     results["requeues"] = requeue_count()
     results["resumed_from"] = ckpt_path
@@ -203,39 +231,11 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     return results
 
 
-def _resume_point(cfg: DictConfig) -> str | None:
-    """A restart of the worker group, a SLURM requeue or `resume=true` continues from the
-    job's newest complete checkpoint (`last.ckpt`, else the previous one, with a line saying
-    so); a fresh start from `ckpt_path` (usually none)."""
-    from ddp_template.config.checkpoint_check import newest_complete
-    from ddp_template.worker.attempts import requeue_count, restart_count
+def _leave_process_group() -> None:
+    import torch.distributed as dist
 
-    continued = restart_count() > 0 or requeue_count() > 0 or cfg.get("resume", False)
-    if continued or _rejoined_by_torchrun(cfg):
-        resume_from, note = newest_complete(last_checkpoint(cfg))
-        if note and os.environ.get("RANK", "0") == "0":
-            # stdout: rank 0's reaches the console under this project's launcher.
-            print(note, flush=True)
-        if resume_from is not None:
-            return str(resume_from)
-    return cfg.ckpt_path
-
-
-def _rejoined_by_torchrun(cfg: DictConfig) -> bool:
-    """torchrun restarts the nodes whose workers did not fail without counting a restart
-    (TORCHELASTIC_RESTART_COUNT stays 0 there): with several nodes every node decides the
-    same way, from the shared job folder (`--rdzv_id` names it): an attempt that finds a
-    checkpoint of its job continues from it."""
-    from ddp_template.launch.world import started_by
-
-    return started_by() == "torchrun" and int(cfg.num_nodes) > 1
-
-
-def last_checkpoint(cfg: DictConfig) -> Path:
-    """Where the job's newest state is saved (callbacks.last_checkpoint, preemption)."""
-    from ddp_template.config.resume_folder import last_checkpoint_of
-
-    return last_checkpoint_of(Path(cfg.paths.output_dir))
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _share_cpu_cores(local_processes: int) -> None:
@@ -260,9 +260,16 @@ def _configure_console_logging() -> None:
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
         lambda record: "litlogger" not in record.getMessage()
     )
+    # Imported before Hydra set up logging (the config checks build Lightning objects),
+    # lightning.pytorch and lightning.fabric gave themselves a stderr handler and stopped
+    # propagating: both are undone, so that their messages go where "lightning"'s do.
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).handlers.clear()
+        logging.getLogger(name).propagate = True
     lightning_logger = logging.getLogger("lightning")
     if logging.getLogger().handlers:
         lightning_logger.handlers.clear()
+        lightning_logger.propagate = True
         return
     lightning_logger.handlers = [logging.StreamHandler(sys.stdout)]
     lightning_logger.propagate = False

@@ -110,7 +110,7 @@ class HalfWrittenCheckpoint(L.Callback):
         self.save = save
 
     def setup(self, trainer, pl_module, stage) -> None:
-        from ddp_template.worker.checkpoint_io import SafeCheckpointIO
+        from ddp_template.resume.checkpoint_io import SafeCheckpointIO
 
         marker = Path(trainer.default_root_dir) / "writing"
         first_slow = self.save
@@ -132,3 +132,31 @@ class HalfWrittenCheckpoint(L.Callback):
                 time.sleep(600)
 
         trainer.strategy.checkpoint_io = Stalling()
+
+
+class HalfWrittenShards(L.Callback):
+    """strategy=fsdp: from save number `save` on, each rank writes its shard, then cuts it
+    to half its length and waits (`<job>/writing` marks the moment): the test kills the
+    process there, in the middle of writing a sharded checkpoint."""
+
+    def __init__(self, save: int = 2) -> None:
+        self.save = save
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        marker = Path(trainer.default_root_dir) / "writing"
+        first_slow, real_save, saves = self.save, dcp.save, [0]
+
+        def stalling_save(state, checkpoint_id, **kwargs):
+            saves[0] += 1
+            result = real_save(state, checkpoint_id=checkpoint_id, **kwargs)
+            if saves[0] < first_slow:
+                return result
+            shard = Path(checkpoint_id) / f"__{trainer.global_rank}_0.distcp"
+            shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+            marker.write_text(str(trainer.global_step))
+            time.sleep(600)
+            return result
+
+        dcp.save = stalling_save

@@ -108,3 +108,34 @@ class TrainedSamples(L.Callback):
         line = {"step": trainer.global_step, "world_size": trainer.world_size, "ids": ids}
         with self.out.open("a") as file:
             file.write(json.dumps(line) + "\n")
+
+
+class LearningRates(L.Callback):
+    """Rank 0 records, as each optimizer step starts, the learning rate it trains with and
+    the scheduler's step count and length: `<job>/lr.jsonl`, a line per step."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if not trainer.is_global_zero:
+            return
+        scheduler = trainer.lr_scheduler_configs[0].scheduler
+        length = getattr(scheduler, "total_steps", getattr(scheduler, "T_max", None))
+        line = {
+            "step": trainer.global_step,
+            "lr": trainer.optimizers[0].param_groups[0]["lr"],
+            "scheduler_step": scheduler.last_epoch,
+            "length": length,
+        }
+        with (Path(trainer.default_root_dir) / "lr.jsonl").open("a") as file:
+            file.write(json.dumps(line) + "\n")
+
+
+class SaveAtStep(L.Callback):
+    """After optimizer step `step`, every rank saves `<job>/checkpoints/step.ckpt` together
+    (as a preemption handler does) and training goes on: a mid-epoch checkpoint."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(Path(trainer.default_root_dir) / "checkpoints" / "step.ckpt")

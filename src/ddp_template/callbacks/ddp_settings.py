@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning as L
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_template.worker.comm_hooks import COMM_HOOKS, registered_hook
+from ddp_template.worker.comm_hooks import registered_hook
 
 
 def read_ddp_settings(model: object) -> dict[str, float] | None:
@@ -18,8 +18,8 @@ def read_ddp_settings(model: object) -> dict[str, float] | None:
         "gradient_as_bucket_view": float(model.gradient_as_bucket_view),
         "static_graph": float(model.static_graph),
         "find_unused_parameters": float(model.find_unused_parameters),
-        # Metrics are numbers: the hook's position in COMM_HOOKS (results.json has its name).
-        "comm_hook": float(COMM_HOOKS.index(hook.name) if hook else 0),
+        # Metrics are numbers: the hook's name is in the key (results.json: comm_hook).
+        f"comm_hook/{hook.name if hook else 'none'}": 1.0,
         # Gradient buckets this rank passed through the hook since training started.
         "comm_hook_calls": float(hook.calls if hook else 0),
     }

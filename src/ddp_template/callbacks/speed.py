@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 
 from ddp_template.worker.flops import TERA, device_peak_tflops, training_flops_per_sample
 from ddp_template.worker.memory import peak_memory_mb, peak_reserved_mb, reset_peak_memory
+from ddp_template.worker.over_ranks import spread
 
 
 class SpeedMonitor(L.Callback):
@@ -29,18 +30,26 @@ class SpeedMonitor(L.Callback):
     - `perf/samples_per_sec`: samples of all ranks / time of the slowest rank;
     - `perf/samples_per_sec_per_device`;
     - `perf/step_time_median_s`, `perf/step_time_p90_s` (the slowest rank's);
-    - `perf/data_wait_fraction` (largest over ranks) and `perf/data_wait_fraction/rank_<N>`;
+    - `perf/data_wait_fraction` (largest over ranks) and its spread over ranks;
+    - `perf/slowest_rank`: the rank whose timed steps took longest (the one the others wait
+      for), and `perf/step_time_s/{min,median,max}` over ranks of each rank's median step;
     - `perf/measured_steps`: steps timed;
     - `perf/warmup_time_s`: wall time of the untimed warm-up steps (the slowest rank's): with
       `compile=true` it holds the compilation, kept out of the step times;
-    - `perf/peak_mem_mb/rank_<N>`: peak memory of every rank since the fit started.
-    - `perf/peak_reserved_mb/rank_<N>` (CUDA): the allocator's peak reservation of every rank;
+    - `perf/peak_mem_mb/...`: the spread over ranks of each rank's peak memory since the fit
+      started;
+    - `perf/peak_reserved_mb/...` (CUDA): the same for the allocator's peak reservation;
     - `perf/flops_per_sample`: FLOPs of a training step's forward and backward per sample,
       counted once on the first batch (`flops.training_flops_per_sample`);
     - `perf/tflops_per_sec` and `perf/tflops_per_sec_per_device`: achieved, from those
       FLOPs and the samples/s above;
     - `perf/mfu`: the achieved share of the device's dense peak for the run's precision
       (`flops.PEAK_TFLOPS`), where the device is in the table (never on CPUs).
+
+    A figure every rank has is logged as its spread, five keys whatever the world size
+    (`<name>/min`, `/median`, `/max`, `/min_rank`, `/max_rank`), never one key per rank: a
+    tracker would otherwise get thousands of series from a job of a thousand ranks. The
+    ranks' rows are summed into one tensor by one all-reduce per epoch.
 
     Values are logged as metrics, so they also reach the main process under ddp_spawn.
     On CUDA, `sync_each_step` waits for the GPU at the end of each step: without it, the
@@ -128,11 +137,9 @@ class SpeedMonitor(L.Callback):
         ranks = _gather_rows(mine, device)
         samples = sum(row[0] for row in ranks)
         slowest = max(row[1] for row in ranks)
-        metrics = {f"perf/peak_mem_mb/rank_{rank}": row[5] for rank, row in enumerate(ranks)}
+        metrics = spread("perf/peak_mem_mb", [row[5] for row in ranks])
         if device.type == "cuda":
-            metrics.update(
-                {f"perf/peak_reserved_mb/rank_{rank}": row[6] for rank, row in enumerate(ranks)}
-            )
+            metrics.update(spread("perf/peak_reserved_mb", [row[6] for row in ranks]))
         if slowest > 0:
             rate = samples / slowest
             metrics.update(
@@ -142,10 +149,9 @@ class SpeedMonitor(L.Callback):
                     "perf/step_time_median_s": max(row[2] for row in ranks),
                     "perf/step_time_p90_s": max(row[3] for row in ranks),
                     "perf/data_wait_fraction": max(row[4] for row in ranks),
-                    **{
-                        f"perf/data_wait_fraction/rank_{rank}": row[4]
-                        for rank, row in enumerate(ranks)
-                    },
+                    "perf/slowest_rank": float(max(range(len(ranks)), key=lambda r: ranks[r][1])),
+                    **spread("perf/data_wait_fraction", [row[4] for row in ranks]),
+                    **spread("perf/step_time_s", [row[2] for row in ranks]),
                 }
             )
             metrics.update(self.flops_metrics(rate, len(ranks)))

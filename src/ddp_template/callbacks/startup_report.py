@@ -15,9 +15,8 @@ from rich.table import Table
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_template.callbacks.ddp_settings import read_ddp_settings
-from ddp_template.config.resolvers import workers_per_rank
-from ddp_template.launch.topology import available_cores, global_batch_text
-from ddp_template.worker.node_check import describe_nodes
+from ddp_template.launch.topology import available_cores, global_batch_text, workers_per_rank
+from ddp_template.worker.node_agreement import describe_nodes
 
 
 class StartupReport(L.Callback):
@@ -60,6 +59,7 @@ def startup_rows(trainer: L.Trainer) -> tuple[list[tuple[str, str]], list[str]]:
         ("backend", _backend(trainer)),
         ("network", describe_nodes()),
         ("DDP", _ddp_text(trainer)),
+        ("model state", _model_state_text(trainer)),
         ("sampler", _sampler_text(loader)),
         *_task_rows(trainer),
         (
@@ -148,6 +148,21 @@ def _ddp_text(trainer: L.Trainer) -> str:
     flags = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")
     flag_text = ", ".join(f"{flag}={bool(settings[flag])}" for flag in flags)
     return f"bucket_cap_mb={settings['bucket_cap_mb']:g}, {flag_text}"
+
+
+def _model_state_text(trainer: L.Trainer) -> str:
+    """Rank 0's share of the parameters (sharded by fsdp, whole under ddp); the gradients
+    and the optimizer's state follow after the first step (results.json)."""
+    from ddp_template.worker.memory import local_bytes
+
+    parameters = list(trainer.lightning_module.parameters())
+    mine = local_bytes(parameters) / 2**20
+    whole = sum(p.numel() * p.element_size() for p in parameters) / 2**20
+    share = f"{mine / whole:.0%} of {whole:,.2f} MiB" if whole else "no parameters"
+    return (
+        f"parameters {mine:,.2f} MiB on rank 0 ({share}); gradients, optimizer state: "
+        "per rank after the first step (results.json model_state_mb_over_ranks)"
+    )
 
 
 def _sampler_text(loader: Any) -> str:

@@ -1,6 +1,6 @@
 """Every value a run depends on, checked before any worker process starts.
 
-`check_config` resolves the values that depend on the machine (accelerator, devices) in
+`resolve_and_check` resolves the values that depend on the machine (accelerator, devices) in
 place, so that every worker reads the same concrete config; checks types and ranges against
 the schema (`schema.py`); checks what needs context (GPUs, launchers, files, servers); and
 last builds the real objects once, so that whatever a library refuses is refused here.
@@ -14,11 +14,13 @@ import os
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from ddp_template.build import build_task
 from ddp_template.callbacks.progress import check_progress
-from ddp_template.config.build_check import check_by_building
-from ddp_template.config.checkpoint_check import check_checkpoint
 from ddp_template.config.schema import TRAINER_ARGS_ELSEWHERE, check_types_and_ranges
+from ddp_template.config.sharding_check import check_sharding
+from ddp_template.config.trial_objects import check_by_building
 from ddp_template.errors import ConfigError
+from ddp_template.launch import starters
 from ddp_template.launch.agent import processes_started_externally
 from ddp_template.launch.cuda_devices import (
     VISIBLE,
@@ -27,31 +29,45 @@ from ddp_template.launch.cuda_devices import (
     visible_devices,
 )
 from ddp_template.launch.network import check_rendezvous_host
-from ddp_template.launch.world import check_restarts, started_by, take_launched_world
+from ddp_template.launch.world import check_restarts, take_launched_world
+from ddp_template.resume.checkpoint_check import check_checkpoint
 from ddp_template.worker.comm_hooks import bf16_refused
 from ddp_template.worker.compiling import check_compile
 from ddp_template.worker.trackers import check_trackers
 
-__all__ = ["TRAINER_ARGS_ELSEWHERE", "check_config"]
+__all__ = ["TRAINER_ARGS_ELSEWHERE", "resolve_and_check"]
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 
 
-def check_config(cfg: DictConfig) -> None:
+def resolve_and_check(cfg: DictConfig) -> None:
+    """Resolves, in `cfg`, what depends on the machine and the starter (accelerator,
+    devices, num_nodes), then checks every value before any worker starts: one paragraph
+    (ConfigError) for the first that cannot work."""
+    # A dry run (debug=dry_run) plans for machines this one is not: their GPUs and the
+    # other nodes are taken as the config names them; everything else is checked alike.
+    planned = bool(cfg.get("dry_run"))
     with open_dict(cfg):
-        cfg.accelerator = resolve_accelerator(cfg.accelerator)
+        if planned:
+            cfg.accelerator, cfg.devices = planned_machine(cfg.accelerator, cfg.devices)
+        else:
+            cfg.accelerator = resolve_accelerator(cfg.accelerator)
         cfg.devices, cfg.num_nodes = take_launched_world(cfg.devices, cfg.num_nodes)
-        cfg.devices = resolve_devices(cfg.devices, cfg.accelerator)
+        if not planned:
+            cfg.devices = resolve_devices(cfg.devices, cfg.accelerator)
     check_types_and_ranges(cfg)
     check_restarts(cfg.max_restarts, cfg.strategy.name, cfg.devices)
-    _check_launch(cfg)
-    _check_devices_support(cfg)
+    if not planned:
+        _check_launch(cfg)
+    check_sharding(cfg)
+    if not (planned and cfg.accelerator == "cuda"):
+        _check_devices_support(cfg)
     _check_distributed_debug(cfg)
     _check_prefetch(cfg.data)
     check_trackers(cfg)
     check_compile(cfg)
     check_progress(cfg)
     check_by_building(cfg)
-    check_checkpoint(cfg)
+    check_checkpoint(cfg, lambda checked: build_task(checked)[1])
 
 
 def resolve_accelerator(value: object) -> str:
@@ -67,8 +83,8 @@ def resolve_accelerator(value: object) -> str:
             return "cuda"
         return "mps" if torch.backends.mps.is_available() else "cpu"
     if value in ("gpu", "cuda") and not torch.cuda.is_available():
-        launcher = started_by()
-        if launcher is None:
+        starter = starters.current()
+        if starter is None:
             raise ConfigError(
                 "accelerator",
                 value,
@@ -80,22 +96,28 @@ def resolve_accelerator(value: object) -> str:
         raise ConfigError(
             "accelerator",
             value,
-            f"a GPU for this process, and {launcher} started it without one "
+            f"a GPU for this process, and {starter.name} started it without one "
             f"(CUDA_VISIBLE_DEVICES {shown}, torch sees no GPU)",
-            f"{GPU_REQUEST.get(launcher, 'ask the launcher for one GPU per process')}; or "
-            "accelerator=cpu",
+            f"{starter.gpu_request}; or accelerator=cpu",
         )
     return "cuda" if value == "gpu" else str(value)
 
 
-# How each launcher is asked for one GPU per process.
-GPU_REQUEST = {
-    "torchrun": "run torchrun on a machine with GPUs, with CUDA_VISIBLE_DEVICES listing them",
-    "srun": "ask SLURM for GPUs: sbatch/srun --gpus-per-node=<devices> (or --gres=gpu:<devices>)",
-    "kubeflow": "give each PyTorchJob replica a GPU: resources.limits nvidia.com/gpu: 1",
-    "mpirun": "run mpirun on GPU nodes, with CUDA_VISIBLE_DEVICES listing the GPUs (-x CUDA_VISIBLE_DEVICES)",
-    "jsrun": "ask jsrun for GPUs: jsrun --gpu_per_rs=1 (or bsub -gpu num=<devices>)",
-}
+def planned_machine(accelerator: object, devices: object) -> tuple[str, object]:
+    """A dry run's accelerator and devices per node: the planned machine's, whatever this
+    one has (`auto` still means this machine)."""
+    if accelerator in ("gpu", "cuda"):
+        if devices == "auto":
+            raise ConfigError(
+                "devices",
+                devices,
+                "the number of GPUs per node in a dry run (it plans for GPUs this machine "
+                "does not have, so it cannot count them)",
+                "e.g. devices=8",
+            )
+        return "cuda", devices
+    resolved = resolve_accelerator(accelerator)
+    return resolved, resolve_devices(devices, resolved) if devices == "auto" else devices
 
 
 def resolve_devices(value: object, accelerator: str) -> int:
@@ -119,7 +141,7 @@ def resolve_devices(value: object, accelerator: str) -> int:
             "devices=1, or whole GPUs (CUDA_VISIBLE_DEVICES=0,1) for data-parallel training",
         )
     if listed is not None and value > len(listed):
-        launcher = started_by()
+        launcher = starters.started_by()
         fix = (
             f"devices={len(listed)} or fewer, or list more GPUs in CUDA_VISIBLE_DEVICES"
             if launcher is None

@@ -4,7 +4,9 @@ named with the closest key that is (Hydra's own advice is to add them with `+`).
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
+from pathlib import Path
 
 from ddp_template.errors import ConfigError, unknown_key_error
 
@@ -56,10 +58,13 @@ def check_override_keys(args: list[str], config_dir: str, config_name: str) -> N
             compose(config_name, overrides=parsed.overrides)
     except MissingConfigException as err:
         missing = err.missing_cfg_file or ""
-        if missing.startswith("data/"):
-            options = list(err.options) if err.options is not None else None
-            raise unknown_data_set(missing.split("/", 1)[1], options) from None
-        return
+        group, _, option = missing.rpartition("/")
+        if not group:
+            return
+        options = list(err.options) if err.options is not None else _options_of(config_dir, group)
+        if group == "data":
+            raise unknown_data_set(option, options) from None
+        raise unknown_group_option(group, option, options) from None
     except ConfigCompositionException as err:
         cause = err.__cause__
         if not isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
@@ -76,6 +81,25 @@ def check_override_keys(args: list[str], config_dir: str, config_name: str) -> N
         ) from None
     except Exception:  # noqa: BLE001 - Hydra reports these itself, with its own words
         return
+
+
+def unknown_group_option(group: str, option: str, options: list[str]) -> ConfigError:
+    """`strategy=ddpp`: an option of a config group that has no file; its options are the
+    files of that group's folder (Hydra's own message is a dozen lines and exit code 1)."""
+    listed = ", ".join(options) or "none"
+    close = difflib.get_close_matches(option, options, n=1)
+    if close:
+        fix = f"{group}={close[0]} (the closest), or add conf/{group}/{option}.yaml"
+    else:
+        fix = f"pick one of those, or add conf/{group}/{option}.yaml"
+    return ConfigError(group, option, f"an option of the config group {group}: {listed}", fix)
+
+
+def _options_of(config_dir: str, group: str) -> list[str]:
+    """The options of a group in this project's config tree (Hydra lists none for an entry
+    of a list such as `debug=[fast,nope]`)."""
+    folder = Path(config_dir) / group
+    return sorted(f.stem for f in folder.glob("*.yaml")) if folder.is_dir() else []
 
 
 def unknown_data_set(name: str, options: list[str] | None) -> ConfigError:

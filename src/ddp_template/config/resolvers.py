@@ -1,6 +1,7 @@
 """OmegaConf resolvers used by `conf/`.
 
-When an external launcher (torchrun, srun, Kubeflow, mpirun, jsrun) starts the processes,
+When an external starter (torchrun, srun, Kubeflow, mpirun, jsrun: `launch/starters.py`)
+starts the processes,
 every rank runs `train.py` and composes the config itself. These resolvers make all ranks of one job agree on one folder, and keep the
 non-zero ranks from writing Hydra's files into it.
 """
@@ -13,28 +14,16 @@ import time
 from omegaconf import OmegaConf
 
 from ddp_template import metrics
-from ddp_template.launch import slurm
+from ddp_template.launch import slurm, starters
 from ddp_template.launch.cuda_devices import on_cuda
-from ddp_template.launch.topology import cores_per_process
-from ddp_template.launch.world import OMPI_JOB_ID, started_by
-
-STAMP_FORMAT = "%Y-%m-%d/%H-%M-%S"
-
-
-# Where each launcher writes a process's global rank.
-RANK_VARIABLES = {
-    "srun": "SLURM_PROCID",
-    "mpirun": "OMPI_COMM_WORLD_RANK",
-    "jsrun": "JSM_NAMESPACE_RANK",
-    "mpiexec": "PMI_RANK",
-}
+from ddp_template.launch.topology import workers_per_rank
 
 
 def launch_rank() -> int:
-    """Global rank given by an external launcher (torchrun and Kubeflow: RANK, srun:
-    SLURM_PROCID, mpirun: OMPI_COMM_WORLD_RANK, jsrun: JSM_NAMESPACE_RANK); 0 else."""
-    launcher = started_by()
-    names = ("RANK", RANK_VARIABLES[launcher]) if launcher in RANK_VARIABLES else ("RANK",)
+    """Global rank given by an external starter (RANK, else the starter's own variable:
+    srun's SLURM_PROCID, mpirun's OMPI_COMM_WORLD_RANK, ...); 0 else."""
+    starter = starters.current()
+    names = ("RANK", starter.rank_variable) if starter else ("RANK",)
     for name in names:
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name])
@@ -45,43 +34,19 @@ def job_stamp(job_id: object = None, master_addr: object = None, num_nodes: obje
     """Name of a job's folder: the same in every process of the job, unique across jobs.
 
     - plain command: start time and process id of this (the launching) process;
-    - torchrun: start time and process id of the local elastic agent, shared by the ranks it
-      starts and by their restarts (so a restarted attempt finds the first one's checkpoints);
-      with several nodes, the rendezvous id (`--rdzv-id`) when one is given;
-    - srun: the SLURM job and step ids;
-    - Kubeflow: rank 0's address and port (MASTER_ADDR: the PyTorchJob's master replica),
-      so a PyTorchJob run again under the same name continues in its folder;
-    - mpirun: the Open MPI job id; jsrun: the LSF job id;
+    - an external starter: its entry's `job_folder` (torchrun: the rendezvous id with
+      several nodes, else the local agent's stamp; srun: the SLURM job and step ids;
+      Kubeflow: rank 0's address and port; mpirun: the Open MPI job id; jsrun: the LSF job
+      id), or the launching process's stamp where it gives none;
     - this project's own agent on several nodes (`network.master_addr`): `nodes/<job_id>`,
       or the minute the node started when no `network.job_id` is given.
     """
+    starter = starters.current()
     own_nodes = master_addr not in (None, "") and num_nodes not in (1, "1", "auto", None)
-    if own_nodes and "TORCHELASTIC_RUN_ID" not in os.environ:
+    if own_nodes and (starter is None or starter.name != "torchrun"):
         return f"nodes/{job_id or time.strftime('%Y-%m-%d_%H-%M')}"
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        run_id = os.environ["TORCHELASTIC_RUN_ID"]
-        several_nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1
-        if several_nodes and run_id != "none":
-            return f"torchrun/{run_id}"
-        return _process_stamp(os.getppid())
-    launcher = started_by()
-    if launcher == "srun" and "SLURM_JOB_ID" in os.environ:
-        step = os.environ.get("SLURM_STEP_ID", "0")
-        return f"slurm/{os.environ['SLURM_JOB_ID']}.{step}"
-    if launcher == "kubeflow":
-        return f"kubeflow/{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}"
-    if launcher == "mpirun" and OMPI_JOB_ID in os.environ:
-        return f"mpirun/{os.environ[OMPI_JOB_ID]}"
-    if launcher == "jsrun" and "LSB_JOBID" in os.environ:
-        return f"lsf/{os.environ['LSB_JOBID']}"
-    return _process_stamp(os.getpid())
-
-
-def _process_stamp(pid: int) -> str:
-    import psutil
-
-    started = psutil.Process(pid).create_time()
-    return time.strftime(STAMP_FORMAT, time.localtime(started)) + f"_{pid}"
+    folder = starter.job_folder() if starter else None
+    return folder or starters.process_stamp(os.getpid())
 
 
 def if_rank_zero(value: str, node_rank: object = None) -> str | None:
@@ -104,13 +69,6 @@ def explicit_or(value: object, default: int) -> object:
     """`${explicit_or:${devices},1}`: a count the user set, else `default` where `auto` cannot
     be resolved yet (a job submitted to SLURM is sized before its tasks exist)."""
     return default if value == "auto" else value
-
-
-def workers_per_rank(processes_per_node: object, minimum: int = 1) -> int:
-    """DataLoader workers for one rank: the cores it may use, less the one it trains on
-    (`${workers_per_rank:${devices},0}` allows none when a rank has a single core)."""
-    processes = processes_per_node if isinstance(processes_per_node, int) else 1
-    return max(minimum, cores_per_process(processes) - 1)
 
 
 def register() -> None:

@@ -6,7 +6,7 @@ DataModule), `lightning.Trainer`'s own signature for `trainer.*`, and the datacl
 for the switches this project reads itself. They are checked as OmegaConf structured
 configs, so a value of the wrong type is named with its full key. What a type cannot say
 (a lower bound, a set of names) is one row of `LIMITS`. Values that only make sense
-together are refused by the real objects, built once by `build_check.check_by_building`.
+together are refused by the real objects, built once by `trial_objects.check_by_building`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import inspect
 import numbers
 import types
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field, make_dataclass
 from typing import TYPE_CHECKING, Any, Literal, Union, cast
 
@@ -49,6 +49,7 @@ class Run:
     ckpt_path: str | None = MISSING
     resume: bool = MISSING
     max_restarts: int = MISSING
+    restart_from_scratch: bool = MISSING
     test: bool = MISSING
     optimized_metric: str = MISSING
     compile: bool = MISSING
@@ -71,6 +72,21 @@ class Strategy:
 
 
 @dataclass
+class ShardedStrategy:
+    """`strategy=fsdp`: turned into `worker.sharding.ShardedStrategy` by `build.build_strategy`."""
+
+    name: str = MISSING
+    process_group_backend: str | None = MISSING
+    timeout: float = MISSING
+    wrap: list[str] | None = MISSING
+    reshard_after_forward: bool = MISSING
+    activation_checkpointing: bool = MISSING
+    cpu_offload: bool = MISSING
+    async_save: bool = MISSING
+    comm_hook: str = MISSING
+
+
+@dataclass
 class Debug:
     flight_recorder: int = MISSING
     distributed_debug: str | None = MISSING
@@ -78,7 +94,7 @@ class Debug:
 
 @dataclass
 class Network:
-    """`network.*`: how the nodes of a job find each other (node_check, network)."""
+    """`network.*`: how the nodes of a job find each other (node_agreement, network)."""
 
     interface: str | None = MISSING
     timeout_s: float = MISSING
@@ -101,7 +117,8 @@ class Limit:
     minimum: float | None = None
     above: bool = False
     maximum: float | None = None
-    names: tuple = ()
+    # A live view such as a registry's keys() allows what is added to it later.
+    names: Collection[Any] = ()
     why: str = ""
 
 
@@ -110,11 +127,11 @@ LIMITS: dict[str, Limit] = {
     "seed": Limit(0, maximum=2**32 - 1, why="the seeds NumPy accepts"),
     "num_nodes": Limit(1),
     "max_restarts": Limit(0),
-    "strategy.name": Limit(names=("auto", "ddp", "ddp_spawn")),
+    "strategy.name": Limit(names=("auto", "ddp", "ddp_spawn", "fsdp")),
     "strategy.process_group_backend": Limit(names=(None, "gloo", "nccl", "mpi")),
     "strategy.timeout": Limit(0, above=True, why="seconds a collective may wait"),
     "strategy.bucket_cap_mb": Limit(0, above=True, why="MiB, or null for PyTorch's default"),
-    "strategy.comm_hook": Limit(names=tuple(COMM_HOOKS), why="PyTorch's DDP communication hooks"),
+    "strategy.comm_hook": Limit(names=COMM_HOOKS.keys(), why="PyTorch's DDP communication hooks"),
     "strategy.powersgd_rank": Limit(1),
     "strategy.powersgd_start_iter": Limit(2, why="PyTorch requires it with error feedback"),
     # Lightning accepts these in the Trainer and fails (or divides by zero) mid-run.
@@ -149,6 +166,12 @@ LIMITS: dict[str, Limit] = {
     "callbacks.profiler.warmup": Limit(0),
     "callbacks.profiler.repeat": Limit(0),
     "callbacks.profiler.active": Limit(1, why="the profiler records nothing without them"),
+    # Lightning takes any number: a negative one stops at the first round without
+    # improvement, as 0 and 1 do, and was surely meant otherwise.
+    "callbacks.early_stopping.patience": Limit(
+        0, why="validation rounds without improvement before training stops"
+    ),
+    "callbacks.early_stopping.min_delta": Limit(0, why="the smallest change that counts"),
 }
 
 # Trainer arguments that are top-level switches or built from their own config groups.
@@ -218,7 +241,8 @@ def _schemas(values: dict[str, Any]) -> Iterator[tuple[str, type, dict[str, Any]
             f"trainer.{key}", values["trainer"][key], "set as a top-level switch", f"use {key}=..."
         )
     yield "trainer", trainer, values.get("trainer") or {}
-    yield "strategy", Strategy, values["strategy"]
+    sharded = values["strategy"].get("name") == "fsdp"
+    yield "strategy", ShardedStrategy if sharded else Strategy, values["strategy"]
     for key, schema in (("debug", Debug), ("benchmark", Benchmark), ("network", Network)):
         if values.get(key):
             yield key, schema, {k: v for k, v in values[key].items() if k in _fields(schema)}
@@ -362,7 +386,7 @@ def _type_error(key: str, unknown: bool, schema: type, value: Any) -> ConfigErro
 def train_config_default(key: str) -> Any:
     """The value conf/train.yaml itself gives `key` (MISSING where it gives none, or one
     from another file or an interpolation): the schema's dataclasses hold no defaults."""
-    from ddp_template.config import CONFIG_DIR
+    from ddp_template.project import CONFIG_DIR
 
     value = OmegaConf.select(
         OmegaConf.load(f"{CONFIG_DIR}/train.yaml"), key, default=MISSING, throw_on_missing=False
@@ -370,9 +394,11 @@ def train_config_default(key: str) -> Any:
     return MISSING if isinstance(value, str) and "${" in value else value
 
 
-def _choice_error(key: str, value: Any, names: tuple) -> ConfigError:
+def _choice_error(key: str, value: Any, names: Collection[Any]) -> ConfigError:
     listed = ", ".join(dict.fromkeys(as_override(n) for n in names))
-    return ConfigError(key, value, f"one of {listed}", f"e.g. {key}={as_override(names[0])}")
+    return ConfigError(
+        key, value, f"one of {listed}", f"e.g. {key}={as_override(next(iter(names)))}"
+    )
 
 
 def _check_limit(key: str, value: Any, limit: Limit) -> None:

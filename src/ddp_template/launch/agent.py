@@ -245,6 +245,12 @@ def worker_start_method(on_cuda: bool) -> str:
 _OWN_WORKER = False
 
 
+def in_own_worker() -> bool:
+    """This process is a worker this project's agent started (the launching process then
+    reports how the job ended)."""
+    return _OWN_WORKER
+
+
 def _start_worker(worker: Worker, config: dict[str, Any], start_method: str) -> Any:
     """The worker process's entry: a forked one first drops what it copied of the launching
     process and would not have as a fresh interpreter."""

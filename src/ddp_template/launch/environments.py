@@ -1,36 +1,19 @@
-"""The Trainer's cluster environment for launchers Lightning does not pick by itself.
+"""Lightning cluster environments for starters Lightning does not rank by itself.
 
-Lightning detects torchrun, SLURM batch jobs and LSF's jsrun on its own. It never detects
-a Kubeflow PyTorchJob (its `KubeflowEnvironment` must be given), detects MPI only through
-mpi4py (not a dependency here), and leaves srun inside an interactive allocation to
-"another environment". For those, `cluster_environment` gives the Trainer the one that
-ranks the processes as the launcher did, so that they train as one job.
+Lightning detects torchrun, SLURM batch jobs and LSF's jsrun on its own, never a Kubeflow
+PyTorchJob (its `KubeflowEnvironment` must be given, `starters.KUBEFLOW`), and MPI only
+through mpi4py (not a dependency here): `OpenMPIEnvironment` ranks Open MPI's processes
+from its variables.
 """
 
 from __future__ import annotations
 
 import os
 
-from lightning.fabric.plugins.environments import (
-    ClusterEnvironment,
-    KubeflowEnvironment,
-    SLURMEnvironment,
-)
+from lightning.fabric.plugins.environments import ClusterEnvironment
 
-from ddp_template.launch.world import OMPI_JOB_ID, interactive_srun_task, started_by
-
-
-def cluster_environment() -> ClusterEnvironment | None:
-    """The environment to give the Trainer, or None where Lightning finds it itself."""
-    launcher = started_by()
-    if launcher == "kubeflow":
-        return KubeflowEnvironment()
-    if launcher == "mpirun":
-        return OpenMPIEnvironment()
-    if launcher == "srun" and interactive_srun_task():
-        # Nothing requeues a step of an interactive allocation.
-        return SLURMEnvironment(auto_requeue=False)
-    return None
+# Open MPI's id of the mpirun job, the same in all its processes (Open MPI's own spelling).
+OMPI_JOB_ID = "OMPI_MCA_ess_base_jobid"
 
 
 class OpenMPIEnvironment(ClusterEnvironment):
@@ -39,7 +22,7 @@ class OpenMPIEnvironment(ClusterEnvironment):
     Ranks are placed node by node (Open MPI's default mapping), so the node rank is the
     global rank over the processes per node. Rank 0 listens on MASTER_ADDR:MASTER_PORT
     where given (`mpirun -x MASTER_ADDR=... -x MASTER_PORT=...`, required on several
-    nodes: `world.launched_world`); on one node on the loopback address, at a port every
+    nodes: `starters.MPIRUN`); on one node on the loopback address, at a port every
     rank derives from the mpirun job's id.
     """
 

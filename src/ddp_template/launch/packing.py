@@ -54,7 +54,7 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"
 PRELOADED_MODULES = (
     "ddp_template.config.checks",
     "ddp_template.worker.results",
-    "ddp_template.worker.build",
+    "ddp_template.build",
 )
 
 
@@ -155,7 +155,7 @@ def machine_gpus() -> list[str]:
 
 
 def job_devices(cfg: DictConfig, gpus: Sequence[str]) -> tuple[int, bool]:
-    """How many devices a job asks for, and whether they are GPUs (as `check_config`
+    """How many devices a job asks for, and whether they are GPUs (as `resolve_and_check`
     resolves `accelerator` and `devices`; its checks then run in the job)."""
     on_gpus = cfg.accelerator in ("gpu", "cuda") or (cfg.accelerator == "auto" and bool(gpus))
     devices = cfg.devices

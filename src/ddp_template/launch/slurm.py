@@ -32,7 +32,7 @@ SWEEP_WIDE_KEYS = ("devices", "num_nodes", "accelerator")
 # started with srun (also for srun's tasks inside an interactive allocation, which it does
 # not take for SLURM's); here a plain run starts its own workers on purpose, SLURM runs go
 # through launcher=slurm (or srun), and srun's tasks are ranks of one job in an interactive
-# allocation too (world.started_by, environments.cluster_environment).
+# allocation too (starters.SRUN).
 warnings.filterwarnings("ignore", message=".*The `srun` command is available on your system")
 
 
@@ -119,6 +119,7 @@ def check_submission(cfg: DictConfig) -> None:
             f"at most the {len(members)} nodes of {where}",
             "lower num_nodes, or pick a larger partition",
         )
+    _check_node_list(launcher, members, where)
     largest = max(n.cpus for n in members)
     tasks = int(launcher.tasks_per_node)
     if tasks > largest:
@@ -137,6 +138,34 @@ def check_submission(cfg: DictConfig) -> None:
             f"at most {largest // tasks} for {tasks} tasks per node: the largest node of "
             f"{where} has {largest} CPUs (sinfo)",
             f"hydra.launcher.cpus_per_task={largest // tasks}",
+        )
+
+
+def _check_node_list(launcher: DictConfig, members: list[Node], where: str) -> None:
+    """`hydra.launcher.additional_parameters.nodelist` (sbatch's --nodelist) names nodes of
+    the partition: sbatch would refuse an unknown one (`Invalid node name specified`) with
+    submitit's traceback around it."""
+    requested = (launcher.get("additional_parameters") or {}).get("nodelist")
+    if not requested:
+        return
+    key = "hydra.launcher.additional_parameters.nodelist"
+    known = sorted(n.name for n in members)
+    fix = f"name nodes that sinfo lists in {where} (e.g. {key}={known[0]}), or leave {key} out"
+    expanded = subprocess.run(
+        ["scontrol", "show", "hostnames", str(requested)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if expanded.returncode != 0:
+        raise ConfigError(key, requested, f"a SLURM host list: {expanded.stderr.strip()}", fix)
+    unknown = [name for name in expanded.stdout.split() if name not in known]
+    if unknown:
+        raise ConfigError(
+            key,
+            requested,
+            f"nodes of {where}: {', '.join(known)} (sinfo); it has no {', '.join(unknown)}",
+            fix,
         )
 
 

@@ -27,3 +27,10 @@ def global_batch_size(per_device: int, world_size: int, accumulation: int) -> in
 def global_batch_text(per_device: int, world_size: int, accumulation: int) -> str:
     total = global_batch_size(per_device, world_size, accumulation)
     return f"{total} (= {per_device} x {world_size} ranks x {accumulation} accumulation)"
+
+
+def workers_per_rank(processes_per_node: object, minimum: int = 1) -> int:
+    """DataLoader workers for one rank: the cores it may use, less the one it trains on
+    (`${workers_per_rank:${devices},0}` allows none when a rank has a single core)."""
+    processes = processes_per_node if isinstance(processes_per_node, int) else 1
+    return max(minimum, cores_per_process(processes) - 1)

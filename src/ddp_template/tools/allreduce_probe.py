@@ -7,7 +7,9 @@ dtype DDP's hooks send (float32: none and PowerSGD, float16, bfloat16), the effe
 bandwidth of a large one in bit/s, counted as the model counts it (each rank sends
 2 (W - 1) / W of the bytes). That folds in what the link rate alone does not say: the
 TCP stack's and gloo's cost on the node's cores, and gloo's summation of half-width
-numbers on the CPU. `ddp_template.tools.netlab`'s `Lab.allreduce_probe` runs it on every node.
+numbers on the CPU. Each figure is the median of several readings, which are kept beside it
+(`latency_readings_s`, `bandwidth_readings_bps`): `ddp_template.tools.netlab`'s
+`Lab.allreduce_probe` runs it on every node and warns when they disagree.
 """
 
 from __future__ import annotations
@@ -30,18 +32,27 @@ def measure(megabytes: float, repeats: int) -> dict[str, object]:
     tiny = torch.zeros(8)
     for _ in range(3):
         dist.all_reduce(tiny)
-    latency = statistics.median(_timed(lambda: dist.all_reduce(tiny)) for _ in range(10)) / hops
-    bandwidth = {}
+    latencies = [_timed(lambda: dist.all_reduce(tiny)) / hops for _ in range(10)]
+    latency = statistics.median(latencies)
+    bandwidth, readings = {}, {}
     for name in DTYPES:
         dtype = getattr(torch, name)
         tensor = torch.ones(int(megabytes * 2**20) // torch.finfo(dtype).bits * 8, dtype=dtype)
         dist.all_reduce(tensor)
-        seconds = statistics.median(
-            _timed(lambda t=tensor: dist.all_reduce(t)) for _ in range(repeats)
-        )
         sent = 2 * (world - 1) / world * tensor.numel() * tensor.element_size()
-        bandwidth[name] = sent * 8 / max(seconds - hops * latency, 1e-9)
-    return {"world": world, "latency_s": latency, "bandwidth_bps": bandwidth}
+        readings[name] = [
+            sent * 8 / max(_timed(lambda t=tensor: dist.all_reduce(t)) - hops * latency, 1e-9)
+            for _ in range(repeats)
+        ]
+        bandwidth[name] = statistics.median(readings[name])
+    # The medians are the result; the readings show how far one probe can be trusted.
+    return {
+        "world": world,
+        "latency_s": latency,
+        "bandwidth_bps": bandwidth,
+        "latency_readings_s": latencies,
+        "bandwidth_readings_bps": readings,
+    }
 
 
 def _timed(action) -> float:
@@ -56,7 +67,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--master", required=True, help="HOST:PORT of rank 0")
     parser.add_argument("--megabytes", type=float, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     import torch
     import torch.distributed as dist

@@ -25,20 +25,29 @@ namespaces: its addresses exist nowhere else.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ddp_template.errors import ConfigError, UserFacingError
 
 STATE_DIR = Path("/run/ddp-template-netlab")
 NETNS_ETC = Path("/etc/netns")
+CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
+# Node i's address is 10.213.<lab>.<FIRST_HOST + i>, within one /24.
+FIRST_HOST = 10
+MAX_NODES = 254 - FIRST_HOST + 1
+# What one node of the lab itself holds (namespaces, veth pair, tbf queues), measured with
+# the lab's nodes idle: small beside any process a node runs (docs/nodes.md).
+LAB_MEMORY_PER_NODE_MB = 1
 # tc's rate units, in bits per second.
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 RATE_FORMAT = "a number and a unit of bits per second (e.g. 200mbit, 1gbit, 2.5gbit), or none"
@@ -76,6 +85,8 @@ class Node:
     address: str
     cores: tuple[int, ...]
     interface: str = "eth0"
+    # The node's cgroup v1 cpu group (CPU_CGROUPS/<name>) when it has a cpu quota.
+    cgroup: str | None = None
 
 
 @dataclass
@@ -85,6 +96,8 @@ class Lab:
     rate_bps: int | None
     own_hostname: str = "link"
     subnet: int = 0
+    # The share of one core each node may use (a cgroup cpu quota), or None: no quota.
+    cpu_fraction: float | None = None
 
     # --- building and removing ---------------------------------------------------------
 
@@ -96,11 +109,17 @@ class Lab:
         prefix: str = "ddplab",
         own_hostname: str = "link",
         cores_per_node: int | None = None,
+        cpu_fraction: float | str | None = None,
+        memory_per_node_mb: float = 0,
     ) -> Lab:
         """Builds the lab, or returns the running one when it has this shape (a new rate is
-        applied in place). Needs root and network namespaces."""
-        if not isinstance(nodes, int) or nodes < 2:
+        applied in place). Needs root and network namespaces. `cpu_fraction` gives each
+        node that share of one core (a cgroup cpu quota; "auto": the machine's cores
+        divided among the nodes); `memory_per_node_mb` is what each node will run, so that
+        a lab the machine cannot hold is refused before anything is built."""
+        if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 2:
             raise ConfigError("--nodes", nodes, "an integer >= 2", "e.g. --nodes 2")
+        fraction = plan_capacity(nodes, cpu_fraction, memory_per_node_mb)
         if own_hostname not in OWN_HOSTNAME:
             raise ConfigError(
                 "--own-hostname", own_hostname, _choices(OWN_HOSTNAME), "--own-hostname link"
@@ -115,21 +134,26 @@ class Lab:
         rate_bps = parse_rate(rate)
         require_namespaces()
         existing = cls.load(prefix)
-        if existing and len(existing.nodes) == nodes and existing.own_hostname == own_hostname:
+        if (
+            existing
+            and len(existing.nodes) == nodes
+            and existing.own_hostname == own_hostname
+            and existing.cpu_fraction == fraction
+        ):
             existing.set_rate(rate_bps)
             return existing
         if existing:
             existing.down()
         lab = cls(
             prefix,
-            _plan_nodes(prefix, nodes, cores_per_node),
+            _plan_nodes(prefix, nodes, None if fraction else cores_per_node, fraction),
             rate_bps,
             own_hostname,
             _subnet_for(prefix),
+            fraction,
         )
         lab.nodes = [
-            Node(n.index, n.namespace, n.hostname, f"10.213.{lab.subnet}.{10 + n.index}", n.cores)
-            for n in lab.nodes
+            replace(n, address=f"10.213.{lab.subnet}.{FIRST_HOST + n.index}") for n in lab.nodes
         ]
         try:
             lab._build()
@@ -139,6 +163,12 @@ class Lab:
         return lab
 
     def _build(self) -> None:
+        # State first: a build that fails half-way is removed by `down`, cgroups included.
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        self._state_file().write_text(json.dumps(asdict(self), indent=2))
+        for node in self.nodes:
+            if node.cgroup is not None:
+                _make_cpu_cgroup(node.cgroup, self.cpu_fraction or 1.0)
         switch = self.switch
         _ip("netns", "add", switch)
         _ip("-n", switch, "link", "add", "br0", "type", "bridge")
@@ -217,6 +247,9 @@ class Lab:
         for namespace in [n.namespace for n in self.nodes] + [self.switch]:
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
             shutil.rmtree(NETNS_ETC / namespace, ignore_errors=True)
+        for node in self.nodes:
+            if node.cgroup is not None:
+                _remove_cpu_cgroup(node.cgroup)
         self._state_file().unlink(missing_ok=True)
 
     @classmethod
@@ -226,6 +259,7 @@ class Lab:
             return None
         raw = json.loads(state.read_text())
         raw["nodes"] = [Node(**{**n, "cores": tuple(n["cores"])}) for n in raw["nodes"]]
+        raw.setdefault("cpu_fraction", None)
         return cls(**raw)
 
     # --- using it ------------------------------------------------------------------------
@@ -249,11 +283,13 @@ class Lab:
             )
         cores = ",".join(str(c) for c in node.cores)
         script += f'exec taskset -c {cores} "$@"'
-        return [
+        command = [
             "ip",
             "netns",
             "exec",
             node.namespace,
+            "env",
+            f"PATH={_path_with_this_environment()}",
             *unshare,
             "sh",
             "-c",
@@ -261,6 +297,11 @@ class Lab:
             node.hostname,
             *args,
         ]
+        if node.cgroup is None:
+            return command
+        # Joined before `ip netns exec`, which mounts a /sys without the cgroup tree.
+        joins = f'echo $$ > "{CPU_CGROUPS / node.cgroup}/cgroup.procs" || exit 96; exec "$@"'
+        return ["sh", "-c", joins, "cgroup", *command]
 
     def popen(
         self,
@@ -281,8 +322,21 @@ class Lab:
             )
         return self.nodes[index]
 
-    def probe(self, megabytes: int = 20, sender: int = 1, receiver: int = 0) -> float:
-        """The link's real rate in bit/s: one node sends `megabytes` to another over TCP."""
+    def probe(
+        self, megabytes: int = 20, sender: int = 1, receiver: int = 0, repeats: int = 3
+    ) -> float:
+        """The link's real rate in bit/s: the median of `repeats` readings (`probe_readings`)."""
+        return statistics.median(self.probe_readings(megabytes, sender, receiver, repeats))
+
+    def probe_readings(
+        self, megabytes: int = 20, sender: int = 1, receiver: int = 0, repeats: int = 3
+    ) -> list[float]:
+        """One reading per repeat, in bit/s, each a fresh TCP transfer of `megabytes`: one
+        reading alone read 260 and 960 Mbit/s on the same 1 Gbit/s link (cores busy with
+        other work), so the spread is part of the answer."""
+        return [self._probe_once(megabytes, sender, receiver) for _ in range(repeats)]
+
+    def _probe_once(self, megabytes: int, sender: int, receiver: int) -> float:
         port = 5999
         server = self.popen(
             receiver,
@@ -331,7 +385,9 @@ class Lab:
             raise UserFacingError(
                 f"The all-reduce probe failed on the lab {self.prefix}. Fix: check `netlab status`"
             )
-        return json.loads(outputs[0].strip().splitlines()[-1])
+        measured = json.loads(outputs[0].strip().splitlines()[-1])
+        measured["warnings"] = allreduce_warnings(measured, self.rate_bps)
+        return measured
 
     def _write_hosts(self, node: Node) -> None:
         lines = ["127.0.0.1 localhost"]
@@ -352,12 +408,66 @@ class Lab:
     def describe(self) -> str:
         rows = [
             f"lab {self.prefix}: {len(self.nodes)} nodes, links {format_rate(self.rate_bps)}, own hostname: {OWN_HOSTNAME[self.own_hostname]}"
+            + (
+                f", {self.cpu_fraction:.3g} of a core per node (cgroup cpu quota)"
+                if self.cpu_fraction
+                else ""
+            )
         ]
         for n in self.nodes:
             rows.append(
                 f"  node {n.index}: hostname {n.hostname}, {n.interface} {n.address}, namespace {n.namespace}, cores {','.join(map(str, n.cores))}"
             )
         return "\n".join(rows)
+
+
+# Readings of one probe that differ by more than this fraction of their median, or a median
+# below this fraction of the shaped rate (tbf holds a little under the rate), get a warning.
+SPREAD_BOUND = 0.25
+BELOW_RATE_BOUND = 0.7
+# Latency readings: the slowest more than this many times the median.
+LATENCY_SPREAD_BOUND = 4.0
+
+
+def rate_warnings(what: str, readings: Sequence[float], rate_bps: int | None) -> list[str]:
+    """One line per doubt about `readings` (bit/s) of a link shaped to `rate_bps`."""
+    middle = statistics.median(readings)
+    lines = []
+    if len(readings) > 1 and (max(readings) - min(readings)) > SPREAD_BOUND * middle:
+        lines.append(
+            f"warning: the {what} readings disagree ({_span(readings)} over {len(readings)} "
+            f"readings, more than {SPREAD_BOUND:.0%} of their median): the cores or the link "
+            "were busy with other work; measure again on a quieter machine"
+        )
+    if rate_bps is not None and middle < BELOW_RATE_BOUND * rate_bps:
+        lines.append(
+            f"warning: the {what} median {format_rate(int(middle))} is below "
+            f"{BELOW_RATE_BOUND:.0%} of the {format_rate(rate_bps)} the links are shaped to: "
+            "the nodes' cores, not the link, set the pace (busy cores, or too few per node)"
+        )
+    return lines
+
+
+def allreduce_warnings(measured: dict, rate_bps: int | None) -> list[str]:
+    """Doubts about an all-reduce probe's result (`ddp_template.tools.allreduce_probe`)."""
+    lines = rate_warnings(
+        "all-reduce float32",
+        measured.get("bandwidth_readings_bps", {}).get("float32", [])
+        or [measured["bandwidth_bps"]["float32"]],
+        rate_bps,
+    )
+    latencies = measured.get("latency_readings_s") or [measured["latency_s"]]
+    if max(latencies) > LATENCY_SPREAD_BOUND * statistics.median(latencies):
+        lines.append(
+            f"warning: the latency per hop read {min(latencies) * 1e6:,.0f} to "
+            f"{max(latencies) * 1e6:,.0f} us (median {statistics.median(latencies) * 1e6:,.0f}): "
+            "the slowest readings waited for busy cores; the median is used"
+        )
+    return lines
+
+
+def _span(readings: Sequence[float]) -> str:
+    return f"{format_rate(int(min(readings)))} to {format_rate(int(max(readings)))}"
 
 
 _PROBE_SERVER = """
@@ -384,6 +494,15 @@ c.close()
 """
 
 
+def _path_with_this_environment() -> str:
+    """PATH with the running interpreter's folder first: a command on a node (`torchrun`,
+    `python`) is then the one of this environment (a virtual environment's bin/ is on no
+    PATH unless activated; taskset would not find `torchrun` otherwise)."""
+    here = str(Path(sys.executable).parent)
+    rest = [p for p in os.environ.get("PATH", os.defpath).split(os.pathsep) if p and p != here]
+    return os.pathsep.join([here, *rest])
+
+
 def require_namespaces() -> None:
     """Stops with the reason when this machine cannot make the lab."""
     missing = [tool for tool in ("ip", "tc", "unshare", "taskset") if shutil.which(tool) is None]
@@ -404,18 +523,119 @@ def require_namespaces() -> None:
         )
 
 
-def _plan_nodes(prefix: str, count: int, cores_per_node: int | None) -> list[Node]:
+def _plan_nodes(
+    prefix: str, count: int, cores_per_node: int | None, cpu_fraction: float | None = None
+) -> list[Node]:
     """Node i gets its own block of cores when there are enough (so a node computes as fast
-    as a one-node run on the same cores); with more nodes than cores they share."""
+    as a one-node run on the same cores); with more nodes than cores they share. With a
+    cpu fraction, every node may run on every core and its cgroup's quota bounds its share
+    (a pinned core would let a fraction of 1/4 wait behind its neighbours)."""
     cores = sorted(os.sched_getaffinity(0))
-    per_node = cores_per_node or max(1, len(cores) // count)
+    per_node = len(cores) if cpu_fraction else cores_per_node or max(1, len(cores) // count)
     nodes = []
     for i in range(count):
         first = (i * per_node) % len(cores)
         mine = tuple(cores[(first + k) % len(cores)] for k in range(min(per_node, len(cores))))
         hostname = f"node{i}" if prefix == "ddplab" else f"{prefix}-node{i}"
-        nodes.append(Node(i, f"{prefix}-node{i}", hostname, "", mine))
+        cgroup = f"{prefix}-node{i}" if cpu_fraction else None
+        nodes.append(Node(i, f"{prefix}-node{i}", hostname, "", mine, cgroup=cgroup))
     return nodes
+
+
+def plan_capacity(
+    nodes: int, cpu_fraction: float | str | None, memory_per_node_mb: float
+) -> float | None:
+    """The cpu fraction per node, after refusing a lab this machine cannot hold: more
+    nodes than the lab's /24 has addresses, quotas that add up to more than the cores,
+    or more memory than is available now. Nothing is built before this passes."""
+    cores = len(os.sched_getaffinity(0))
+    if nodes > MAX_NODES:
+        raise ConfigError(
+            "--nodes",
+            nodes,
+            f"at most {MAX_NODES} nodes: each lab is one /24 of addresses "
+            f"(10.213.<lab>.{FIRST_HOST}-254)",
+            f"ask for --nodes {MAX_NODES} or fewer",
+        )
+    fraction: float | None
+    if cpu_fraction in (None, "none", ""):
+        fraction = None
+    elif cpu_fraction == "auto":
+        fraction = cores / nodes
+    else:
+        try:
+            fraction = float(cpu_fraction)
+        except (TypeError, ValueError):
+            fraction = -1.0
+        if not 0.01 <= fraction <= cores:
+            raise ConfigError(
+                "--cpu-fraction",
+                cpu_fraction,
+                f"a share of one core between 0.01 and {cores} (this machine's cores), "
+                "auto (the cores divided among the nodes) or none",
+                "e.g. --cpu-fraction 0.25 or --cpu-fraction auto",
+            )
+    if fraction is not None:
+        if not CPU_CGROUPS.is_dir() or not (CPU_CGROUPS / "cpu.cfs_quota_us").is_file():
+            raise UserFacingError(
+                f"A cpu fraction per node needs cgroup v1's cpu controller at {CPU_CGROUPS} "
+                "(cpu.cfs_quota_us), which this machine does not have. Fix: leave out "
+                "--cpu-fraction (nodes then share the cores) or run on a host with it"
+            )
+        if fraction * nodes > cores * (1 + 1e-9):
+            raise ConfigError(
+                "--cpu-fraction",
+                cpu_fraction,
+                f"at most {cores / nodes:.3g} of a core for {nodes} nodes: the quotas must "
+                f"add up to no more than this machine's {cores} cores, or a node would get "
+                "less than its share and the timing would not be the fraction asked",
+                f"ask for --cpu-fraction {cores / nodes:.3g} (or auto), or fewer nodes",
+            )
+    available = _available_memory_mb()
+    needed = nodes * (memory_per_node_mb + LAB_MEMORY_PER_NODE_MB)
+    if available is not None and needed > available:
+        raise ConfigError(
+            "--memory-per-node",
+            memory_per_node_mb,
+            f"at most {available / nodes - LAB_MEMORY_PER_NODE_MB:.0f} MiB per node for "
+            f"{nodes} nodes: {nodes} x {memory_per_node_mb + LAB_MEMORY_PER_NODE_MB:.0f} MiB "
+            f"is more than the {available:.0f} MiB available now",
+            "ask for fewer nodes, run less on each (e.g. one worker per node), or wait for "
+            "the machine's other jobs",
+        )
+    return fraction
+
+
+def _available_memory_mb() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def _make_cpu_cgroup(name: str, fraction: float) -> None:
+    folder = CPU_CGROUPS / name
+    folder.mkdir(exist_ok=True)
+    period = int((folder / "cpu.cfs_period_us").read_text())
+    (folder / "cpu.cfs_quota_us").write_text(str(max(1000, round(fraction * period))))
+
+
+def _remove_cpu_cgroup(name: str) -> None:
+    """Removes the node's cgroup; a process still in it (a node's command left running)
+    goes back to the root group first, so that nothing of the lab stays behind."""
+    folder = CPU_CGROUPS / name
+    if not folder.is_dir():
+        return
+    try:
+        for pid in (folder / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):  # it ended meanwhile
+                (CPU_CGROUPS / "cgroup.procs").write_text(pid)
+        folder.rmdir()
+    except OSError:
+        pass
 
 
 def _subnet_for(prefix: str) -> int:
@@ -447,6 +667,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--rate", default="1gbit", help=RATE_FORMAT)
     up.add_argument("--own-hostname", default="link", choices=list(OWN_HOSTNAME))
     up.add_argument("--cores-per-node", type=int, default=None)
+    up.add_argument(
+        "--cpu-fraction",
+        default=None,
+        help="each node's share of one core, a cgroup cpu quota (e.g. 0.25), auto "
+        "(the cores divided among the nodes) or none",
+    )
+    up.add_argument(
+        "--memory-per-node",
+        type=float,
+        default=0,
+        help="MiB each node will run (e.g. 700 for one torchrun agent and one worker): "
+        "a lab the available memory cannot hold is refused",
+    )
     run = sub.add_parser(
         "run", help="run a command on one node: run NODE [--private-disk DIR] -- CMD ..."
     )
@@ -454,11 +687,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--private-disk", default=None)
     run.add_argument("cmd", nargs=argparse.REMAINDER)
     sub.add_parser("status")
-    sub.add_parser("probe", help="measure the link's rate (node 1 sends to node 0)")
+    probe = sub.add_parser(
+        "probe", help="measure the link's rate (node 1 sends to node 0), several times"
+    )
+    probe.add_argument("--repeats", type=int, default=5)
+    probe.add_argument(
+        "--allreduce", action="store_true", help="also a gloo all-reduce between all nodes"
+    )
     sub.add_parser("down")
     for p in sub.choices.values():
-        p.add_argument("--prefix", default="ddplab")
+        p.add_argument(
+            "--prefix",
+            default="ddplab",
+            help="names the lab: namespaces <prefix>-node<i>, hostnames node<i> for the "
+            "default, <prefix>-node<i> for any other (several labs side by side)",
+        )
     args = parser.parse_args(argv)
+    if args.command == "run":
+        _options_before_the_command(args)
     try:
         return _dispatch(args)
     except UserFacingError as err:
@@ -466,11 +712,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def _options_before_the_command(args: argparse.Namespace) -> None:
+    """`run 0 --prefix lab1 -- CMD`: argparse gives everything after the node to CMD; the
+    options before `--` are run's own."""
+    if "--" not in args.cmd:
+        return
+    split = args.cmd.index("--")
+    own, args.cmd = args.cmd[:split], args.cmd[split + 1 :]
+    options = argparse.ArgumentParser(prog="python -m ddp_template.tools.netlab run NODE")
+    options.add_argument("--prefix", default=args.prefix)
+    options.add_argument("--private-disk", default=args.private_disk)
+    options.parse_args(own, namespace=args)
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "up":
         print(
             Lab.up(
-                args.nodes, args.rate, args.prefix, args.own_hostname, args.cores_per_node
+                args.nodes,
+                args.rate,
+                args.prefix,
+                args.own_hostname,
+                args.cores_per_node,
+                args.cpu_fraction,
+                args.memory_per_node,
             ).describe()
         )
         return 0
@@ -479,20 +744,48 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.command == "down":
             return 0
         raise UserFacingError(
-            f"No lab named {args.prefix} is up. Fix: python -m ddp_template.tools.netlab up --prefix {args.prefix}"
+            f"No lab named {args.prefix} is up. Fix: {_this_python()} -m "
+            f"ddp_template.tools.netlab up --prefix {args.prefix}"
         )
     if args.command == "down":
         lab.down()
     elif args.command == "status":
         print(lab.describe())
     elif args.command == "probe":
-        print(
-            f"measured {format_rate(int(lab.probe()))} (links shaped to {format_rate(lab.rate_bps)})"
-        )
+        _print_probe(lab, args.repeats, args.allreduce)
     else:
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
         return subprocess.call(lab.command(args.node, cmd, args.private_disk))
     return 0
+
+
+def _this_python() -> str:
+    """The running interpreter as typed here (`.venv/bin/python`): a bare `python` may be
+    one without this project."""
+    try:
+        return Path(sys.executable).relative_to(Path.cwd()).as_posix()
+    except ValueError:
+        return sys.executable
+
+
+def _print_probe(lab: Lab, repeats: int, allreduce: bool) -> None:
+    if repeats < 1:
+        raise ConfigError("--repeats", repeats, "a whole number >= 1", "e.g. --repeats 5")
+    readings = lab.probe_readings(repeats=repeats)
+    print(
+        f"measured {format_rate(int(statistics.median(readings)))} (median of {len(readings)} "
+        f"TCP readings, {_span(readings)}; links shaped to {format_rate(lab.rate_bps)})"
+    )
+    doubts = rate_warnings("TCP", readings, lab.rate_bps)
+    if allreduce:
+        measured = lab.allreduce_probe()
+        rates = ", ".join(
+            f"{d} {format_rate(int(b))}" for d, b in measured["bandwidth_bps"].items()
+        )
+        print(f"all-reduce: {rates}; {measured['latency_s'] * 1e6:,.0f} us per hop (medians)")
+        doubts += measured["warnings"]
+    for line in doubts:
+        print(line, file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A sweep folder -> one comparison table: `report.md`, `report.csv` and `report.png`.
 
-    python train.py -m experiment=benchmark recipe=baseline,amp,data,comm
+    python train.py -m experiment=benchmark recipe=baseline,amp,data,comm,shard
     python -m ddp_template.tools.report multirun/<date>/<time>_<pid>
 
 Each job of the sweep is one row, named by the overrides that differ between the jobs
@@ -39,12 +39,14 @@ CSV_COLUMNS = (
     "data_wait_fraction",
     "peak_memory_mb",
     "memory_kind",
+    "model_state_mb",
     "speedup",
     "memory_change",
     "monitor",
     "monitor_best",
     "precision_used",
     "world_size",
+    "strategy",
     "bucket_cap_mb",
     "comm_hook",
     "repeats",
@@ -93,6 +95,7 @@ _MEASURED = (
     "step_time_p90_s",
     "data_wait_fraction",
     "peak_memory_mb",
+    "model_state_mb",
     "monitor_best",
 )
 
@@ -224,6 +227,7 @@ def _row(job: Path, result: dict[str, Any], name: str, overrides: list[str]) -> 
         "data_wait_fraction": result.get("data_wait_fraction"),
         "peak_memory_mb": result.get("peak_memory_mb"),
         "memory_kind": result.get("memory_kind"),
+        "model_state_mb": model_state_mb(result),
         "speedup": None,
         "memory_change": None,
         # The task's own measure of the job: the best validation value of its monitored metric.
@@ -232,11 +236,21 @@ def _row(job: Path, result: dict[str, Any], name: str, overrides: list[str]) -> 
         "monitor_mode": result.get("monitor_mode"),
         "precision_used": result.get("precision_used"),
         "world_size": result.get("world_size"),
+        "strategy": result.get("strategy"),
         "bucket_cap_mb": ddp.get("bucket_cap_mb"),
         "comm_hook": ddp.get("comm_hook"),
         "repeats": 1,
         "job_dir": str(job),
     }
+
+
+def model_state_mb(result: dict[str, Any]) -> float | None:
+    """The parameters, gradients and optimizer state of the rank holding most, in MiB: all
+    of it under ddp, about 1/W under fsdp (results.json's model_state_mb_over_ranks)."""
+    parts = result.get("model_state_mb_over_ranks")
+    if not parts:
+        return None
+    return sum(figures["max"] for figures in parts.values())
 
 
 def _baseline_index(rows: list[dict[str, Any]], baseline: str | None) -> int:
@@ -288,11 +302,12 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     monitor = monitor_label(rows)
     header = (
         "| setting | samples/s | per device | TFLOP/s per device | MFU | step median (ms) "
-        f"| step p90 (ms) | loader wait | memory (MiB, {memory}) | speed-up | memory change |"
+        f"| step p90 (ms) | loader wait | memory (MiB, {memory}) | model state (MiB per rank) "
+        "| speed-up | memory change |"
         + (f" {monitor} |" if monitor else "")
-        + " precision |"
+        + " precision | strategy |"
     )
-    lines = [header, "|" + "---|" * (13 if monitor else 12)]
+    lines = [header, "|" + "---|" * (15 if monitor else 14)]
     for row in rows:
         task_value = [_number(row["monitor_best"], ".4g")] if monitor else []
         name = f"**{row['setting']}**" if row["baseline"] else row["setting"]
@@ -309,10 +324,12 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                     _number(_ms(row["step_time_p90_s"]), ",.0f"),
                     _number(row["data_wait_fraction"], ".1%"),
                     _number(row["peak_memory_mb"], ",.0f"),
+                    _number(row["model_state_mb"], ",.1f"),
                     _number(row["speedup"], ".2f", prefix="x"),
                     _number(row["memory_change"], "+.0%"),
                     *task_value,
                     row["precision_used"] or "n/a",
+                    row["strategy"] or "n/a",
                 ]
             )
             + " |"

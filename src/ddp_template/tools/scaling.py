@@ -2,6 +2,7 @@
 and bucket size, and recommends the pair that is fastest.
 
     python -m ddp_template.tools.scaling outputs/<run> --nodes 2,4,8,16 --link 1gbit
+    python -m ddp_template.tools.scaling outputs/<run> --nodes 8 --link 1gbit --buckets 1,25,100
 
 The run (any run with `strategy=ddp`, one node is enough; `experiment=benchmark` measures
 step times best) gives the compute per step, the data-loader wait and every gradient's
@@ -9,8 +10,10 @@ shape (results.json: `step_time_median_s`, `data_wait_fraction`, `gradients`). T
 per step (docs/nodes.md, "The model"):
 
 - compute: forward F, backward B, the rest R (optimizer, loop), from the run; the data
-  wait D as measured. A hook's own work (casting to half width, PowerSGD's matrix
-  products), measured here by a short probe on this machine's cores, is added to B.
+  wait D as measured. A hook's own work H (casting to half width, PowerSGD's matrix
+  products, the copies in and out of DDP's buckets), measured here by a short probe on this
+  machine's cores (the hook inside a one-rank DDP wrapper, the backward timed with and
+  without it), is added to B.
 - buckets: from the second step on, DDP groups the gradients in the order the backward
   produced them (about the reverse of the parameters' order) into buckets of
   `bucket_cap_mb`, the first one 1 MiB when the size is PyTorch's default. A bucket can be sent once the
@@ -39,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -48,9 +52,8 @@ from typing import Any
 
 from ddp_template.errors import ConfigError, UserFacingError
 from ddp_template.tools.netlab import format_rate, parse_rate
-from ddp_template.worker.comm_hooks import needs_one_bucket_at_a_time
+from ddp_template.worker.comm_hooks import COMM_HOOKS, comm_hook, needs_one_bucket_at_a_time
 
-HOOKS = ("none", "fp16", "bf16", "powersgd")
 BUCKET_CHOICES_MB = (1, 5, 10, 25, 50, 100)
 # PyTorch's default: 25 MiB buckets, the first one 1 MiB (torch.distributed's
 # _DEFAULT_FIRST_BUCKET_BYTES).
@@ -92,7 +95,7 @@ class Link:
 
     @classmethod
     def rated(cls, bits_per_s: float, latency_s: float = 50e-6) -> Link:
-        return cls({dtype: bits_per_s for dtype in WIRE_DTYPE.values()}, latency_s)
+        return cls({hook.wire_dtype: bits_per_s for hook in COMM_HOOKS.values()}, latency_s)
 
     @classmethod
     def probed(cls, measured: dict[str, Any]) -> Link:
@@ -101,10 +104,6 @@ class Link:
     def describe(self) -> str:
         rates = ", ".join(f"{d} {format_rate(int(b))}" for d, b in self.bandwidth_bps.items())
         return f"{rates}; {self.latency_s * 1e6:.0f} us per hop"
-
-
-# What each hook puts on the wire.
-WIRE_DTYPE = {"none": "float32", "fp16": "float16", "bf16": "bfloat16", "powersgd": "float32"}
 
 
 @dataclass(frozen=True)
@@ -190,58 +189,91 @@ def buckets(shapes: list[list[int]], element_bytes: int, cap_mb: float | None) -
 
 def sent_bytes(shape: list[int], element_bytes: int, hook: str, rank: int) -> float:
     """Bytes the hook puts on the wire for one gradient."""
-    count = math.prod(shape)
-    if hook in ("fp16", "bf16"):
-        return count * 2
-    if hook == "powersgd" and len(shape) > 1:
-        n, m = shape[0], count // shape[0]
-        r = min(rank, n, m)
-        return min(count, (n + m) * r) * element_bytes
-    return count * element_bytes
+    return comm_hook(hook).sent_bytes(shape, element_bytes, rank)
 
 
-def probe_hook_costs(run: MeasuredRun, hooks: Sequence[str]) -> dict[str, float]:
-    """Seconds of compute each hook adds per step on this machine (the probe runs on the
-    run's thread count): the casts of the half-width hooks, PowerSGD's products."""
+def probe_hook_costs(
+    run: MeasuredRun, hooks: Sequence[str], bucket_cap_mb: float | None = None
+) -> dict[str, float]:
+    """Seconds of compute each hook adds per step on this machine, on the run's thread count.
+
+    The probe runs the hook as the worker registers it (the project's CountingHook and the
+    hook's state, PowerSGD's per-parameter bookkeeping included) inside a real DDP wrapper of
+    one rank (gloo, in this process) over parameters of the run's shapes, and times the same
+    backward with and without it: the casts, PowerSGD's products, and the copies into and out
+    of DDP's buckets, its futures and the error feedback. Timing the casts and products
+    alone read a quarter of what the hooks cost in training (docs/nodes.md)."""
     import torch
+    import torch.distributed as dist
 
     threads = torch.get_num_threads()
     torch.set_num_threads(run.threads)
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        return {hook: _time_hook(run, hook) for hook in hooks}
+        names = ["none", *(h for h in hooks if h != "none")]
+        models = {name: _probe_model(run, name, bucket_cap_mb) for name in names}
+        seconds: dict[str, list[float]] = {name: [] for name in names}
+        # PowerSGD compresses from its second step on (the worker's start_iter is >= 2);
+        # DDP rebuilds its buckets after the first: time neither.
+        for repeat in range(PROBE_WARMUP + PROBE_REPEATS):
+            # Interleaved, so that other work on the cores slows every hook alike.
+            for name, model in models.items():
+                elapsed = _probe_step(model)
+                if repeat >= PROBE_WARMUP:
+                    seconds[name].append(elapsed)
+        base = statistics.median(seconds["none"])
+        return {
+            h: max(0.0, statistics.median(seconds[h]) - base) if h != "none" else 0.0 for h in hooks
+        }
     finally:
+        if own_group:
+            dist.destroy_process_group()
         torch.set_num_threads(threads)
 
 
-def _time_hook(run: MeasuredRun, hook: str) -> float:
+PROBE_WARMUP = 3
+PROBE_REPEATS = 7
+
+
+def _probe_model(run: MeasuredRun, hook: str, bucket_cap_mb: float | None) -> Any:
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddp_template.worker.comm_hooks import CountingHook, PowerSGDByParameter, hook_state
+
+    class Gradients(torch.nn.Module):
+        """Parameters of the run's shapes; the backward gives each its full gradient."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.weights = torch.nn.ParameterList(
+                torch.nn.Parameter(torch.zeros(shape)) for shape in run.shapes
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.stack([(w * x).sum() for w in self.weights]).sum()
+
+    # None: PyTorch's default (25 MiB, the first bucket 1 MiB), as in the worker.
+    model = DistributedDataParallel(Gradients(), bucket_cap_mb=bucket_cap_mb)
+    if comm_hook(hook).function is not None:
+        state = hook_state(hook, run.powersgd_rank, 2)
+        counting = CountingHook(hook, one_bucket_at_a_time=needs_one_bucket_at_a_time(hook, "gloo"))
+        if isinstance(state, powerSGD_hook.PowerSGDState):
+            counting.by_parameter = PowerSGDByParameter(model.module)
+        model.register_comm_hook(state, counting)
+    return model
+
+
+def _probe_step(model: Any) -> float:
     import torch
 
-    if hook == "none":
-        return 0.0
-    grads = [torch.randn(math.prod(s)) for s in run.shapes]
-
-    def once() -> None:
-        for grad, shape in zip(grads, run.shapes, strict=True):
-            if hook in ("fp16", "bf16"):
-                half = grad.to(torch.float16 if hook == "fp16" else torch.bfloat16)
-                half.div_(2)
-                grad.copy_(half)
-            elif len(shape) > 1:
-                matrix = grad.view(shape[0], -1)
-                n, m = matrix.shape
-                r = min(run.powersgd_rank, n, m)
-                q = torch.randn(m, r)
-                p = matrix @ q
-                p, _ = torch.linalg.qr(p)
-                q = matrix.t() @ p
-                matrix.sub_(p @ q.t())  # the error feedback's update
-
-    once()
+    x = torch.ones(())
     start = time.perf_counter()
-    repeats = 3
-    for _ in range(repeats):
-        once()
-    return (time.perf_counter() - start) / repeats
+    model(x).backward()
+    return time.perf_counter() - start
 
 
 def predict(
@@ -270,8 +302,8 @@ def predict(
                 sent_bytes(run.shapes[i], run.element_bytes, hook, run.powersgd_rank) for i in group
             )
             # PowerSGD makes two all-reduces per bucket (P, then Q): twice the latency.
-            rounds = 2 if hook == "powersgd" else 1
-            bandwidth = link.bandwidth_bps[WIRE_DTYPE[hook]]
+            rounds = comm_hook(hook).all_reduces
+            bandwidth = link.bandwidth_bps[comm_hook(hook).wire_dtype]
             seconds = ring * wire * 8 / bandwidth + rounds * 2 * (world - 1) * link.latency_s
             end = max(end, ready) + seconds
             sent_s += seconds
@@ -297,6 +329,75 @@ def predict(
     )
 
 
+def predict_sharded(
+    run: MeasuredRun,
+    nodes: int,
+    link: Link,
+    units: list[dict[str, Any]],
+    reshard_after_forward: bool,
+) -> Prediction:
+    """FSDP's step (`strategy=fsdp`): `units` are the bytes each unit gathers, the root
+    first, in the forward's order (config/dry_run_sharded.py). One collective at a time on
+    the link, each a ring of W - 1 steps sending (W - 1) / W of its bytes per rank:
+        t(bytes) = (W - 1) / W * bytes / (L / 8) + (W - 1) * a
+    Forward: unit k computes once its all-gather is done and unit k - 1 has computed; the
+    all-gather of k + 1 (prefetched) runs meanwhile. The compute of a unit is F (or B) in
+    proportion to its bytes (a proxy: the FLOPs per byte of parameter differ per layer).
+    Backward, in reverse: each resharded unit is gathered again before its gradients, which
+    are then reduce-scattered; the step ends when the compute and the last reduce-scatter
+    are done. Exposed communication is what the collectives add to F + B; not yet checked
+    against a measured multi-node FSDP run (docs/fsdp.md)."""
+    world = nodes * run.devices_per_node
+    sizes = [int(u["bytes"]) for u in units]
+    total = sum(sizes) or 1
+    bandwidth = link.bandwidth_bps[comm_hook("none").wire_dtype]
+
+    def wire(nbytes: int) -> float:
+        if world == 1 or nbytes == 0:
+            return 0.0
+        return (world - 1) / world * nbytes * 8 / bandwidth + (world - 1) * link.latency_s
+
+    comm = wire(sizes[0])
+    gathered = {0: comm}
+    compute = 0.0
+    for k in range(len(sizes)):
+        start = max(compute, gathered.get(k, 0.0))
+        if k + 1 < len(sizes) and sizes[k + 1]:
+            # The next unit's all-gather, prefetched as this unit's forward starts.
+            comm = max(comm, start) + wire(sizes[k + 1])
+            gathered[k + 1] = comm
+        compute = start + run.forward_s * sizes[k] / total
+    regather = [reshard_after_forward and k > 0 and n > 0 for k, n in enumerate(sizes)]
+    gathered = {}
+    last = len(sizes) - 1
+    if regather[last]:
+        comm = max(comm, compute) + wire(sizes[last])
+        gathered[last] = comm
+    for k in reversed(range(len(sizes))):
+        start = max(compute, gathered.get(k, 0.0))
+        if k > 0 and regather[k - 1]:
+            # The next unit's all-gather, prefetched as this unit's backward starts.
+            comm = max(comm, start) + wire(sizes[k - 1])
+            gathered[k - 1] = comm
+        compute = start + run.backward_s * sizes[k] / total
+        if sizes[k]:
+            comm = max(comm, compute) + wire(sizes[k])  # its gradients' reduce-scatter
+    exposed = max(0.0, max(compute, comm) - run.forward_s - run.backward_s)
+    step = run.forward_s + run.backward_s + exposed + run.rest_s + run.data_wait_s
+    one_node = run.forward_s + run.backward_s + run.rest_s + run.data_wait_s
+    return Prediction(
+        nodes,
+        "none",
+        None,
+        run.forward_s + run.backward_s + run.rest_s,
+        exposed,
+        run.data_wait_s,
+        step,
+        world * run.samples_per_step_per_device / step,
+        one_node / step,
+    )
+
+
 def run_overlap(run: MeasuredRun) -> float:
     """How much of the schedule above hides the all-reduce behind the backward: all of it
     (1) unless `--overlap` says otherwise. Measured on the lab (docs/nodes.md), gloo on one
@@ -318,6 +419,27 @@ def parse_nodes(text: str) -> list[int]:
     return counts
 
 
+def parse_buckets(text: str) -> list[float | None]:
+    sizes: list[float | None] = []
+    for part in (p.strip() for p in str(text).split(",")):
+        try:
+            size = None if part == "null" else float(part)
+        except ValueError:
+            size = -1.0
+        if size is not None and not size > 0:
+            sizes = []
+            break
+        sizes.append(size)
+    if not sizes:
+        raise ConfigError(
+            "--buckets",
+            text,
+            "bucket sizes in MiB > 0 (or null, PyTorch's default), separated by commas",
+            "e.g. --buckets 1,25,100",
+        )
+    return sizes
+
+
 def report(
     run: MeasuredRun,
     counts: list[int],
@@ -325,7 +447,11 @@ def report(
     hooks: Sequence[str],
     costs: dict[str, float],
     overlap: float | None = None,
+    bucket_sizes: Sequence[float | None] | None = None,
 ) -> list[str]:
+    """The command's lines: a prediction per node count, hook and bucket size (the run's
+    bucket size unless `bucket_sizes` are given), then the fastest pair per node count among
+    the hooks and `bucket_sizes` (every size in BUCKET_CHOICES_MB when none are given)."""
     lines = [
         f"measured: step {run.step_s:.3f} s (forward {run.forward_s:.3f}, backward "
         f"{run.backward_s:.3f}, rest {run.rest_s:.3f}, data wait {run.data_wait_s:.3f}), "
@@ -334,9 +460,10 @@ def report(
         "hook compute per step (probe): "
         + ", ".join(f"{h} {costs[h] * 1000:.0f} ms" for h in hooks),
     ]
-    bucket = run.bucket_cap_mb
+    shown = list(bucket_sizes) if bucket_sizes else [run.bucket_cap_mb]
+    choices = list(bucket_sizes) if bucket_sizes else [None, *BUCKET_CHOICES_MB]
     for count in counts:
-        for hook in hooks:
+        for hook, bucket in ((h, b) for h in hooks for b in shown):
             p = predict(run, count, hook, link, costs[hook], bucket, overlap)
             lines.append(
                 f"nodes={count} hook={hook} bucket_cap_mb={_mb(bucket)} compute {p.compute_s:.3f} s "
@@ -349,7 +476,7 @@ def report(
             (
                 predict(run, count, hook, link, costs[hook], cap, overlap)
                 for hook in hooks
-                for cap in (None, *BUCKET_CHOICES_MB)
+                for cap in choices
             ),
             key=lambda p: p.step_s,
         )
@@ -408,22 +535,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="share of the schedule's overlap with the backward that happens (default 1)",
     )
-    parser.add_argument("--hooks", default=",".join(HOOKS))
+    parser.add_argument("--hooks", default=",".join(COMM_HOOKS))
+    parser.add_argument(
+        "--buckets",
+        default=None,
+        help="bucket sizes in MiB to predict and choose from, e.g. 1,25,100 (null: PyTorch's "
+        "default); by default the run's size is predicted and every size in "
+        f"{','.join(map(str, BUCKET_CHOICES_MB))} is a choice",
+    )
     args = parser.parse_args(argv)
     try:
         counts = parse_nodes(args.nodes)
         link = _link(args.link, args.latency_us * 1e-6, args.lab)
         hooks = [h for h in args.hooks.split(",") if h]
-        unknown = [h for h in hooks if h not in HOOKS]
+        unknown = [h for h in hooks if h not in COMM_HOOKS]
         if unknown or not hooks:
             raise ConfigError(
-                "--hooks", args.hooks, f"names from {', '.join(HOOKS)}", "--hooks none,fp16"
+                "--hooks", args.hooks, f"names from {', '.join(COMM_HOOKS)}", "--hooks none,fp16"
             )
+        bucket_sizes = parse_buckets(args.buckets) if args.buckets is not None else None
         run = load_run(args.job)
-        costs = probe_hook_costs(run, hooks)
+        costs = probe_hook_costs(run, hooks, run.bucket_cap_mb)
         if args.overlap is not None and not 0 <= args.overlap <= 1:
             raise ConfigError("--overlap", args.overlap, "a share from 0 to 1", "e.g. --overlap 1")
-        for line in report(run, counts, link, hooks, costs, args.overlap):
+        for line in report(run, counts, link, hooks, costs, args.overlap, bucket_sizes):
             print(line)
     except UserFacingError as err:
         print(f"error: {err}", file=sys.stderr)

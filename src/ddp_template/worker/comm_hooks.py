@@ -6,7 +6,8 @@ Lightning registers DDP communication hooks only on CUDA and skips them silently
 its calls, so that a run can show the hook really ran (results.json: ddp.comm_hook_calls).
 
 PowerSGD keeps state between steps (each rank's compression error, the low-rank factors it
-starts the next step from, a step counter), held per gradient bucket. DDP forms its buckets
+starts the next step from, a step counter), held per gradient bucket; a checkpoint keeps the
+errors' mean over ranks (`mean_error_feedback`, resume/state.py says why). DDP forms its buckets
 anew in every process (one bucket on the first step, then buckets in the order gradients
 arrived), so `hook_state_dict` saves that state per parameter and the hook rebuilds it for
 whatever buckets the resumed process forms: a resume continues the same computation.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -27,14 +29,86 @@ from torch.nn.parallel import DistributedDataParallel
 from ddp_template.errors import ConfigError
 from ddp_template.worker.rng import numpy_state, plain_numpy_state
 
-# Names accepted by `strategy.comm_hook`; the position is the code logged as ddp/comm_hook.
-COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 
-_HOOK_FUNCTIONS: dict[str, Callable[..., Any]] = {
-    "fp16": default_hooks.fp16_compress_hook,
-    "bf16": default_hooks.bf16_compress_hook,
-    "powersgd": powerSGD_hook.powerSGD_hook,
+@dataclass(frozen=True)
+class CommHook:
+    """One value of `strategy.comm_hook`: everything the project knows of a hook.
+
+    Read by the strategy (what to register, with what state), the config's allowed names,
+    the logged settings, and the scaling model and dry run (what goes on the wire; the
+    scaling model times the hook itself, registered as the worker registers it). Adding a
+    hook is one entry here (docs/launching.md, "Adding a comm hook").
+    """
+
+    name: str
+    # PyTorch's hook (state, bucket) -> Future; None: DDP's own all-reduce, no hook.
+    function: Callable[..., Any] | None
+    # The element type of what it sends, and the all-reduces per bucket.
+    wire_dtype: str
+    all_reduces: int
+    # Bytes it puts on the wire for one gradient: (shape, element bytes, PowerSGD's rank).
+    sent_bytes: Callable[[list[int], int, int], float]
+    # The state it keeps between steps: (PowerSGD's rank, start step) -> state, or None.
+    make_state: Callable[[int, int], object | None] | None = None
+
+
+def _full_width(shape: list[int], element_bytes: int, rank: int) -> float:
+    return math.prod(shape) * element_bytes
+
+
+def _half_width(shape: list[int], element_bytes: int, rank: int) -> float:
+    return math.prod(shape) * 2
+
+
+def _low_rank(shape: list[int], element_bytes: int, rank: int) -> float:
+    """PowerSGD sends P (n x r) and Q (m x r) of a matrix; vectors go uncompressed."""
+    count = math.prod(shape)
+    if len(shape) < 2:
+        return count * element_bytes
+    n, m = shape[0], count // shape[0]
+    r = min(rank, n, m)
+    return min(count, (n + m) * r) * element_bytes
+
+
+def _powersgd_state(rank: int, start_iter: int) -> powerSGD_hook.PowerSGDState:
+    return powerSGD_hook.PowerSGDState(
+        process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=start_iter
+    )
+
+
+COMM_HOOKS: dict[str, CommHook] = {
+    hook.name: hook
+    for hook in (
+        CommHook("none", None, "float32", 1, _full_width),
+        CommHook(
+            "fp16",
+            default_hooks.fp16_compress_hook,
+            "float16",
+            1,
+            _half_width,
+        ),
+        CommHook(
+            "bf16",
+            default_hooks.bf16_compress_hook,
+            "bfloat16",
+            1,
+            _half_width,
+        ),
+        CommHook(
+            "powersgd",
+            powerSGD_hook.powerSGD_hook,
+            "float32",
+            2,
+            _low_rank,
+            _powersgd_state,
+        ),
+    )
 }
+
+
+def comm_hook(name: str) -> CommHook:
+    """The entry of a hook named in `strategy.comm_hook` (the config check lists the names)."""
+    return COMM_HOOKS[name]
 
 
 class CountingHook:
@@ -52,7 +126,9 @@ class CountingHook:
 
     def __init__(self, name: str, one_bucket_at_a_time: bool = False) -> None:
         self.name = name
-        self.hook = _HOOK_FUNCTIONS[name]
+        function = comm_hook(name).function
+        assert function is not None, f"{name} registers no hook"
+        self.hook = function
         self.one_bucket_at_a_time = one_bucket_at_a_time
         # DDP's logging data names the hook after __qualname__: the real hook's.
         self.__qualname__ = self.hook.__qualname__
@@ -76,13 +152,8 @@ class CountingHook:
 
 def hook_state(name: str, powersgd_rank: int, powersgd_start_iter: int) -> object | None:
     """The state a hook keeps between steps (after the process group exists)."""
-    if name != "powersgd":
-        return None
-    return powerSGD_hook.PowerSGDState(
-        process_group=None,
-        matrix_approximation_rank=powersgd_rank,
-        start_powerSGD_iter=powersgd_start_iter,
-    )
+    make_state = comm_hook(name).make_state
+    return make_state(powersgd_rank, powersgd_start_iter) if make_state else None
 
 
 def needs_one_bucket_at_a_time(name: str, backend: str) -> bool:
@@ -112,7 +183,7 @@ class CommHookDDPStrategy(DDPStrategy):
 
     def _register_ddp_hooks(self) -> None:
         super()._register_ddp_hooks()
-        if self.comm_hook == "none":
+        if comm_hook(self.comm_hook).function is None:
             return
         if self.comm_hook == "bf16" and self.root_device.type == "cuda":
             check_bf16_support(self.root_device)
@@ -142,6 +213,28 @@ def hook_state_dict(model: torch.nn.Module | None) -> dict[str, Any] | None:
     if hook is None or hook.by_parameter is None:
         return None
     return hook.by_parameter.state_dict(state)
+
+
+def mean_error_feedback(
+    saved: dict[str, Any] | None, device: torch.device
+) -> dict[str, Any] | None:
+    """`saved` (this rank's `hook_state_dict`) with each parameter's compression error
+    replaced by its mean over the ranks: one all-reduce on every rank, the size of the
+    error, whatever the world size. All ranks hold the same parameters' errors (DDP's
+    buckets are the same on every rank), in the same order (sorted by parameter)."""
+    if saved is None or not (dist.is_available() and dist.is_initialized()):
+        return saved
+    keys = [key for key, piece in sorted(saved["parameters"].items()) if "error" in piece]
+    if not keys:
+        return saved
+    errors = [saved["parameters"][key]["error"] for key in keys]
+    flat = torch.cat([error.reshape(-1) for error in errors]).to(device)
+    dist.all_reduce(flat)
+    flat = flat.div_(dist.get_world_size()).cpu()
+    parameters = dict(saved["parameters"])
+    for key, piece in zip(keys, flat.split([error.numel() for error in errors]), strict=True):
+        parameters[key] = {**parameters[key], "error": piece.clone()}
+    return {**saved, "parameters": parameters}
 
 
 def load_hook_state_dict(model: torch.nn.Module | None, saved: dict[str, Any] | None) -> None:

@@ -16,8 +16,10 @@ does not recognise the name an H200 reports ("NVIDIA H200").
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
+import weakref
 from typing import Any
 
 import torch
@@ -100,15 +102,29 @@ def training_flops_per_sample(model: torch.nn.Module, batch: Any) -> float | Non
     inputs = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
     if not isinstance(inputs, torch.Tensor) or inputs.ndim == 0 or len(inputs) == 0:
         return None
-    meta_model = _meta_copy(model)
     meta_inputs = torch.empty_like(inputs, device="meta")
     try:
+        # A sharded (FSDP) network refuses to be copied: its meta copy was taken before.
+        meta_model = _UNSHARDED.get(model) or _meta_copy(model)
         flops = measure_flops(meta_model, lambda: meta_model(meta_inputs), _loss)
     except Exception:
         # An operation without a meta kernel, a model that wants more than the batch's
         # first element: the run trains all the same, its FLOPs are unknown (null).
         return None
     return flops / len(inputs) if flops else None
+
+
+# A network's meta copy as it was before `fully_shard` (FLOPs do not depend on the sharding).
+_UNSHARDED: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def remember_unsharded(network: torch.nn.Module) -> None:
+    """Called just before `network` is sharded: its FLOPs are counted on this copy."""
+    # A network that cannot be copied: its FLOPs stay unknown (null), as unsharded.
+    with contextlib.suppress(Exception):
+        _UNSHARDED[network] = _meta_copy(network)
 
 
 def _loss(output: Any) -> torch.Tensor:

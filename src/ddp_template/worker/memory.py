@@ -1,4 +1,5 @@
-"""Peak memory of this process: what the accelerator allocated, or the host's resident set."""
+"""Peak memory of this process: what the accelerator allocated, or the host's resident set;
+and the bytes of the model's state (parameters, gradients, optimizer state) a rank holds."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import gc
 import re
 import resource
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -63,3 +65,36 @@ def peak_reserved_mb(device: torch.device) -> float | None:
 
 def memory_kind(device: torch.device) -> str:
     return "cuda_max_allocated" if device.type == "cuda" else "host_peak_rss"
+
+
+def local_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes this rank holds of the tensors: a sharded (DTensor) one counts its own shard."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        total += local.numel() * local.element_size()
+    return total
+
+
+def model_state_bytes(
+    module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]
+) -> dict[str, int]:
+    """What this rank holds of the parameters, their gradients and the optimizer's state:
+    a full copy each under ddp, about 1/W of it under fsdp."""
+    parameters = list(module.parameters())
+    state = [
+        value
+        for optimizer in optimizers
+        for per_parameter in optimizer.state.values()
+        for value in per_parameter.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    return {
+        "parameters": local_bytes(parameters),
+        "gradients": local_bytes(p.grad for p in parameters),
+        "optimizer_state": local_bytes(state),
+    }

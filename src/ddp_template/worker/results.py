@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ddp_template import metrics as task_metrics
 from ddp_template.launch.topology import available_cores, global_batch_size, global_batch_text
+from ddp_template.worker.over_ranks import over_ranks
 
 if TYPE_CHECKING:
     import lightning as L
@@ -33,8 +34,9 @@ def collect_results(
     fit_metrics: dict[str, float],
     test_metrics: dict[str, float],
     weights: Path,
+    attempts: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Rank 0's record of the run. The task's metrics keep Lightning's names (`val/acc`,
+    """Rank 0's record of the run (`attempts`: `resume.attempts.attempts_summary`). The task's metrics keep Lightning's names (`val/acc`,
     `test/acc`: the last epoch's training and validation values, the test values);
     `<monitor>_best` is the best validation value the checkpoint callback saw."""
     from omegaconf import OmegaConf
@@ -45,8 +47,7 @@ def collect_results(
     monitor = cfg.task.monitor
     per_device_batch = int(cfg.data.batch_size)
     accumulation = int(cfg.trainer.accumulate_grad_batches)
-    peaks = _per_rank(metrics, "perf/peak_mem_mb/rank_")
-    reserved = _per_rank(metrics, "perf/peak_reserved_mb/rank_")
+    peaks = over_ranks(metrics, "perf/peak_mem_mb")
     return {
         "monitor": monitor,
         "monitor_mode": cfg.task.monitor_mode,
@@ -61,14 +62,21 @@ def collect_results(
         "tflops_per_sec": metrics.get("perf/tflops_per_sec"),
         "tflops_per_sec_per_device": metrics.get("perf/tflops_per_sec_per_device"),
         "mfu": metrics.get("perf/mfu"),
-        "peak_memory_mb": max(peaks.values()) if peaks else None,
-        "peak_memory_mb_per_rank": peaks,
+        "peak_memory_mb": peaks["max"] if peaks else None,
+        # Over ranks: min, median, max and the ranks holding the min and the max.
+        "peak_memory_mb_over_ranks": peaks,
         # CUDA only: what the caching allocator held, cached blocks included.
-        "peak_reserved_memory_mb_per_rank": reserved or None,
+        "peak_reserved_memory_mb_over_ranks": over_ranks(metrics, "perf/peak_reserved_mb"),
+        # MiB of parameters, gradients and optimizer state each rank holds (after step 1).
+        "model_state_mb_over_ranks": _model_state(trainer),
+        # strategy=fsdp: seconds each checkpoint save held training up.
+        "checkpoint_blocked_s": getattr(trainer.strategy, "checkpoint_blocked_s", None),
         "step_time_median_s": metrics.get("perf/step_time_median_s"),
         "step_time_p90_s": metrics.get("perf/step_time_p90_s"),
         "data_wait_fraction": metrics.get("perf/data_wait_fraction"),
-        "data_wait_fraction_per_rank": _per_rank(metrics, "perf/data_wait_fraction/rank_"),
+        "data_wait_fraction_over_ranks": over_ranks(metrics, "perf/data_wait_fraction"),
+        "step_time_median_s_over_ranks": over_ranks(metrics, "perf/step_time_s"),
+        "slowest_rank": _whole(metrics.get("perf/slowest_rank")),
         "measured_steps": int(metrics.get("perf/measured_steps", 0)),
         "compile": bool(cfg.get("compile", False)),
         "warmup_time_s": metrics.get("perf/warmup_time_s"),
@@ -87,7 +95,8 @@ def collect_results(
         "global_batch_size": global_batch_size(per_device_batch, trainer.world_size, accumulation),
         "epochs": trainer.current_epoch,
         "global_step": trainer.global_step,
-        **_attempts(trainer),
+        # How each attempt began and the samples they trained (resume.attempts).
+        **(attempts or {}),
         "checkpoints": _checkpoints(trainer),
         "weights": str(weights),
         "output_dir": str(cfg.paths.output_dir),
@@ -95,6 +104,16 @@ def collect_results(
         "machine": machine(trainer.strategy.root_device),
         "finished_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
+
+
+def _model_state(trainer: L.Trainer) -> dict[str, dict[str, float]] | None:
+    """What `memory_report.ModelStateMemory` measured (by its attribute: a worker module
+    does not import callbacks)."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        measured = getattr(callback, "model_state_mb_over_ranks", None)
+        if measured is not None:
+            return measured
+    return None
 
 
 def machine(device: torch.device) -> dict[str, Any]:
@@ -130,13 +149,11 @@ def _compile_time(cfg: DictConfig, metrics: dict[str, float]) -> float | None:
     return max(0.0, warmup - metrics.get("perf/warmup_steps", 0.0) * step)
 
 
-def _per_rank(metrics: dict[str, float], prefix: str) -> dict[str, float]:
-    return {key[len(prefix) :]: value for key, value in metrics.items() if key.startswith(prefix)}
+def _whole(value: float | None) -> int | None:
+    return None if value is None else int(value)
 
 
 def _ddp_settings(metrics: dict[str, float]) -> dict[str, Any] | None:
-    from ddp_template.worker.comm_hooks import COMM_HOOKS
-
     logged = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("ddp/")}
     if not logged:
         return None
@@ -144,21 +161,13 @@ def _ddp_settings(metrics: dict[str, float]) -> dict[str, Any] | None:
     settings: dict[str, Any] = {
         key: bool(value) if key in flags else value for key, value in logged.items()
     }
-    if "comm_hook" in settings:
-        settings["comm_hook"] = COMM_HOOKS[int(settings["comm_hook"])]
+    hooks = [key for key in settings if key.startswith("comm_hook/")]
+    for key in hooks:
+        del settings[key]
+        settings["comm_hook"] = key.split("/", 1)[1]
+    if "comm_hook_calls" in settings:
         settings["comm_hook_calls"] = int(settings["comm_hook_calls"])
     return settings
-
-
-def _attempts(trainer: L.Trainer) -> dict[str, Any]:
-    """`attempts`: how each began, its first step, world size and samples trained
-    (attempts.py); `samples_trained`: theirs together, all ranks."""
-    from ddp_template.worker.attempts import AttemptLog
-
-    logs = [c for c in trainer.callbacks if isinstance(c, AttemptLog)]  # type: ignore[attr-defined]
-    if not logs:
-        return {"attempts": [], "samples_trained": None}
-    return {"attempts": logs[0].attempts, "samples_trained": logs[0].samples_trained}
 
 
 def _best_score(trainer: L.Trainer) -> float | None:
@@ -183,12 +192,12 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp.name, path)
 
 
-def export_weights(model: torch.nn.Module, path: Path) -> None:
-    """The bare model's state_dict, on the CPU: no `module.`/`model.` prefixes, loadable
-    anywhere with `torch.load(path, weights_only=True)`."""
+def export_weights(state: dict[str, torch.Tensor], path: Path) -> None:
+    """The bare model's state_dict (`sharding.bare_state_dict`: gathered when sharded), on
+    the CPU: no `module.`/`model.` prefixes, loadable anywhere with
+    `torch.load(path, weights_only=True)`."""
     import torch
 
-    state = {key: value.detach().cpu() for key, value in model.state_dict().items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)

@@ -38,8 +38,29 @@ if SlurmLauncher is not None:
             try:
                 return super().launch(job_overrides, initial_job_idx)
             except UncompletedJobError as ended:
+                refused = submission_refused(ended)
+                if refused is not None:
+                    print(f"error: {refused}", file=sys.stderr, flush=True)
+                    sys.exit(2)
                 print(f"error: {ended_without_result(str(ended))}", file=sys.stderr, flush=True)
                 sys.exit(1)
+
+
+def submission_refused(ended: BaseException) -> str | None:
+    """One paragraph for a job sbatch refused (submitit raises the error of the sbatch
+    command as a failed job), or None for a job that ran and ended without a result."""
+    cause = ended.__cause__
+    if not isinstance(cause, subprocess.CalledProcessError):
+        return None
+    command = cause.cmd if isinstance(cause.cmd, (list, tuple)) else str(cause.cmd).split()
+    if not command or not str(command[0]).endswith("sbatch"):
+        return None
+    said = " ".join(str(cause.stderr or ended).split())
+    return (
+        f"sbatch refused the sweep's job, nothing was queued: {said}. Fix: change the "
+        "launcher setting it names (hydra.launcher.*, see conf/launcher/slurm.yaml) to what "
+        "the cluster offers (sinfo, scontrol show partition)"
+    )
 
 
 def ended_without_result(submitit_message: str) -> str:

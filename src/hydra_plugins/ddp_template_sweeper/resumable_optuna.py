@@ -1,5 +1,5 @@
 """The Optuna sweeper of `hparams_search=optuna_lr`, continued by `resume=true`
-(conf/hparams_search/optuna_lr.yaml). The work is done in `ddp_template.launch.optuna_resume`;
+(conf/hparams_search/optuna_lr.yaml). The work is done in `ddp_template.resume.optuna_study`;
 Hydra imports every module of this namespace at start-up, so this one stays light (and
 loads hydra-optuna-sweeper only when it is used)."""
 
@@ -33,7 +33,7 @@ class ResumableOptunaSweeper(Sweeper):
         self.optuna.setup(hydra_context=hydra_context, task_function=task_function, config=config)
 
     def sweep(self, arguments: list[str]) -> Any:
-        from ddp_template.launch.optuna_resume import continue_study, study_storage
+        from ddp_template.resume.optuna_study import continue_study, study_storage
 
         assert self.config is not None
         # The sweep's config in its folder, as Hydra's basic sweeper saves it (Optuna's does

@@ -11,7 +11,6 @@ from __future__ import annotations
 import numbers
 
 from torch import nn
-from torch.utils.data import DataLoader
 
 from ddp_template.errors import ConfigError
 
@@ -55,19 +54,3 @@ def build_mlp(
 
 def _is_width(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 1
-
-
-def require_no_batch_of_one(loader: DataLoader) -> None:
-    """Batch norm cannot normalise a training batch of one sample (torch raises "Expected
-    more than 1 value per channel"); every rank has the same shard size, so all would fail."""
-    if loader.drop_last or not loader.batch_size:
-        return
-    per_rank = len(loader.sampler)  # type: ignore[arg-type]  # the samplers here are sized
-    if per_rank % loader.batch_size == 1:
-        raise ConfigError(
-            "data.batch_size",
-            loader.batch_size,
-            f"a size that leaves no training batch of one sample: each rank trains on "
-            f"{per_rank} samples, and batch norm needs two or more per batch",
-            f"e.g. data.batch_size={loader.batch_size + 1}, or data.drop_last=true",
-        )

@@ -6,13 +6,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from ddp_template.module import TaskModule, build_model
 from ddp_template.optim import OptimizerFactory, SchedulerFactory
-from ddp_template.tasks.tabular_classification.model import require_no_batch_of_one
 
 
 class TabularClassificationModule(TaskModule):
@@ -43,12 +41,6 @@ class TabularClassificationModule(TaskModule):
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.model(features)
-
-    def on_train_start(self) -> None:
-        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.model.modules()):
-            loader = self.trainer.train_dataloader
-            if isinstance(loader, DataLoader):
-                require_no_batch_of_one(loader)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
         features, labels = batch

@@ -26,15 +26,10 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 
+from ddp_template.project import LAST, previous_of
+
+
 # The checkpoint a restart or requeue resumes from: its previous version is kept.
-LAST = "last.ckpt"
-
-
-def previous_of(path: Path) -> Path:
-    """`last.ckpt` -> `last.prev.ckpt`: the previous complete version."""
-    return path.with_name(f"{path.stem}.prev{path.suffix}")
-
-
 def _temporary_of(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
@@ -64,6 +59,39 @@ class SafeCheckpointIO(TorchCheckpointIO):
 
     def write(self, checkpoint: dict[str, Any], file: IO[bytes]) -> None:
         torch.save(checkpoint, file)
+
+    def load_checkpoint(
+        self, path: _PATH, map_location: Any = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        if Path(path).is_dir():
+            # A sharded checkpoint of strategy=fsdp, resumed by ddp or one process.
+            return plain_from_sharded(Path(path))
+        return super().load_checkpoint(path, weights_only=weights_only)
+
+
+def plain_from_sharded(folder: Path) -> dict[str, Any]:
+    """A sharded (DCP) checkpoint folder as the one-file checkpoint `ddp` writes: the full
+    weights, and each optimizer's state keyed by parameter index, as torch's optimizers
+    keep it (DCP keys it by parameter name, in the optimizer's own order)."""
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+
+    checkpoint = _load_distributed_checkpoint(folder)
+    optimizers = sorted(key for key in checkpoint if key.startswith("optimizer_"))
+    checkpoint["optimizer_states"] = [_keyed_by_index(checkpoint.pop(key)) for key in optimizers]
+    return checkpoint
+
+
+def _keyed_by_index(state: dict[str, Any]) -> dict[str, Any]:
+    names = [name for group in state["param_groups"] for name in group["params"]]
+    index = {name: position for position, name in enumerate(names)}
+    groups = [
+        {**group, "params": [index[name] for name in group["params"]]}
+        for group in state["param_groups"]
+    ]
+    return {
+        "state": {index[name]: value for name, value in state.get("state", {}).items()},
+        "param_groups": groups,
+    }
 
 
 def _sync_folder(folder: Path) -> None:

@@ -17,12 +17,12 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ddp_template.build import build_task, build_trainer, world_size
 from ddp_template.config.schema import as_override
 from ddp_template.config.schema import parameter_default as _default
 from ddp_template.data import drops_lone_sample, require_one_sample_per_rank, training_batches
 from ddp_template.errors import ConfigError, refusal_as_config_error
 from ddp_template.metrics import check_monitor
-from ddp_template.worker.build import build_task, build_trainer, world_size
 
 if TYPE_CHECKING:
     from ddp_template.data import ShardedDataModule
@@ -42,7 +42,7 @@ def check_by_building(cfg: DictConfig) -> None:
         metrics = cast("TaskModule", module).metrics
         check_monitor(cfg.task.get("monitor"), cfg.task.get("monitor_mode"), metrics)
         with _refusals(cfg, "trainer", "strategy", "callbacks", *_TOP_LEVEL):
-            trainer = build_trainer(cfg, loggers=[])
+            trainer = build_trainer(_buildable_here(cfg), loggers=[])
         with _refusals(cfg, "task.module.optimizer", "task.module.scheduler"):
             if cast("TaskModule", module).scheduler_interval == "step":
                 # Counting the optimizer steps of an epoch needs the data. The run's
@@ -56,9 +56,24 @@ def check_by_building(cfg: DictConfig) -> None:
                 )
             module.trainer = trainer
             module.configure_optimizers()
+    # A source's own check of its files (an image folder's), once, here.
+    check_files = getattr(cast("ShardedDataModule", datamodule).source, "check_files", None)
+    if check_files is not None:
+        check_files()
     sizes = cast("ShardedDataModule", datamodule).split_sizes()
     if sizes is not None:
         check_split_sizes(cfg, sizes, module)
+
+
+def _buildable_here(cfg: DictConfig) -> DictConfig:
+    """A dry run plans GPUs this machine may not have: its Trainer is built for one CPU
+    process (the world's size is checked from the config, below)."""
+    if not (cfg.get("dry_run") and cfg.accelerator == "cuda"):
+        return cfg
+    here = cfg.copy()
+    here.accelerator, here.devices, here.num_nodes = "cpu", 1, 1
+    here.sync_batchnorm = False
+    return here
 
 
 def check_split_sizes(cfg: DictConfig, sizes: tuple[int, int, int], model: torch.nn.Module) -> None:
@@ -148,13 +163,19 @@ def _refusals(cfg: DictConfig, *nodes: str) -> Iterator[None]:
 
 
 def _leaves(cfg: DictConfig, nodes: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, str]]:
-    """Every value under `nodes` by full key, and the default of each instantiated one."""
+    """Every value under `nodes` by full key, and the default of each: the config's own
+    (what conf/ gives without the command line's values), else the instantiated class's."""
     values: dict[str, Any] = {}
     fixes: dict[str, str] = {}
+    pristine = _config_without_values()
 
     def walk(node: Any, path: str, target: str | None) -> None:
         if not isinstance(node, dict):
             values[path] = node
+            ours = _select(pristine, path)
+            if ours is not MISSING and ours != node:
+                fixes[path] = f"e.g. {path}={as_override(ours)} (the config's default)"
+                return
             default = _default(target, path.rsplit(".", 1)[-1]) if target else MISSING
             if default is not MISSING:
                 fixes[path] = f"e.g. {path}={as_override(default)} (the default)"
@@ -171,6 +192,58 @@ def _leaves(cfg: DictConfig, nodes: tuple[str, ...]) -> tuple[dict[str, Any], di
     return values, fixes
 
 
+def _config_without_values() -> DictConfig | None:
+    """The run's config as conf/ gives it for the command line's choices of config groups
+    (`task=regression`), without its values (`task.module.optimizer.lr=-1`); None outside
+    a Hydra run. Composed only when a value was refused."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    from ddp_template.project import CONFIG_DIR
+
+    if not HydraConfig.initialized():
+        return None
+    choices = [o for o in HydraConfig.get().overrides.task if "." not in o.split("=", 1)[0]]
+    hydra = GlobalHydra.instance()
+    # compose() needs a GlobalHydra of its own; the run's one is put back after.
+    state = hydra.hydra
+    hydra.clear()
+    try:
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            return compose("train", overrides=choices)
+    except Exception:  # noqa: BLE001 - without it the class's default is named instead
+        return None
+    finally:
+        hydra.clear()
+        if state is not None:
+            hydra.initialize(state)
+
+
+def _select(cfg: DictConfig | None, path: str) -> Any:
+    if cfg is None:
+        return MISSING
+    try:
+        value = OmegaConf.select(cfg, path, default=MISSING, throw_on_resolution_failure=False)
+    except OmegaConfBaseException:
+        return MISSING
+    return MISSING if isinstance(value, DictConfig) else value
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """No log record below an error and no warning while objects are built for a check:
+    what they report is the workers' to print (or, without a Trainer, not true)."""
+    logging_disabled = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(logging_disabled)
+
+
 @contextlib.contextmanager
 def _no_traces() -> Iterator[None]:
     """Lightning sets environment variables and torch's global flags while it builds, and
@@ -181,14 +254,10 @@ def _no_traces() -> Iterator[None]:
         torch.is_deterministic_algorithms_warn_only_enabled(),
     )
     cudnn = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
-    logging_disabled = logging.root.manager.disable
-    logging.disable(logging.WARNING)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet():
             yield
     finally:
-        logging.disable(logging_disabled)
         torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
         torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = cudnn
         os.environ.clear()

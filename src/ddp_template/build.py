@@ -14,16 +14,18 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import Strategy
 from omegaconf import DictConfig, OmegaConf
 
-from ddp_template.callbacks.loader_position import LoaderPosition
+from ddp_template.callbacks.memory_report import ModelStateMemory
 from ddp_template.callbacks.model_summary import TrainingFlopsSummary
 from ddp_template.callbacks.progress import on_terminal
-from ddp_template.callbacks.resume_agreement import ResumeAgreement
 from ddp_template.callbacks.shared_disk import SharedDiskCheck
 from ddp_template.errors import ConfigError
-from ddp_template.launch.environments import cluster_environment
-from ddp_template.worker.attempts import AttemptLog
-from ddp_template.worker.checkpoint_io import SafeCheckpointIO
-from ddp_template.worker.node_check import NodeCheckedDDPStrategy, flat_config
+from ddp_template.launch.starters import cluster_environment
+from ddp_template.resume.agreement import ResumeAgreement
+from ddp_template.resume.attempts import AttemptLog
+from ddp_template.resume.checkpoint_io import SafeCheckpointIO
+from ddp_template.resume.loader_position import LoaderPosition
+from ddp_template.worker.node_agreement import NodeCheckedDDPStrategy, flat_config
+from ddp_template.worker.sharding import ShardedStrategy, ShardingOptions
 from ddp_template.worker.trackers import log_config
 
 
@@ -61,13 +63,16 @@ _STRATEGY_KEYS = {
 
 
 def build_strategy(cfg: DictConfig) -> Strategy | str:
-    """`strategy=auto` stays Lightning's "auto" for one process and becomes DDP for several."""
+    """`strategy=auto` stays Lightning's "auto" for one process and becomes DDP for several;
+    `strategy=fsdp` shards the model (worker/sharding.py)."""
     options = OmegaConf.to_container(cfg.strategy, resolve=True)
     name = options["name"]
-    # Compared between nodes before the process group starts (node_check).
+    # Compared between nodes before the process group starts (node_agreement).
     node_config = flat_config(cfg)
     if name == "auto":
         return NodeCheckedDDPStrategy(node_config=node_config) if world_size(cfg) > 1 else "auto"
+    if name == "fsdp":
+        return _sharded_strategy(options, world_size(cfg), node_config)
     ddp_kwargs = {key: value for key, value in options.items() if key not in _STRATEGY_KEYS}
     return NodeCheckedDDPStrategy(
         node_config=node_config,
@@ -78,6 +83,19 @@ def build_strategy(cfg: DictConfig) -> Strategy | str:
         process_group_backend=options["process_group_backend"],
         timeout=timedelta(seconds=options["timeout"]),
         **ddp_kwargs,
+    )
+
+
+def _sharded_strategy(
+    options: dict[str, Any], ranks: int, node_config: dict[str, Any]
+) -> ShardedStrategy:
+    return ShardedStrategy(
+        world_size=ranks,
+        sharding=ShardingOptions.of(options),
+        node_config=node_config,
+        async_save=options["async_save"],
+        process_group_backend=options["process_group_backend"],
+        timeout=timedelta(seconds=options["timeout"]),
     )
 
 
@@ -106,6 +124,8 @@ def build_callbacks(cfg: DictConfig) -> list[Callback]:
         ResumeAgreement(),
         LoaderPosition(),
         AttemptLog(resume=bool(cfg.get("resume", False))),
+        # Parameters, gradients and optimizer state per rank (results.json).
+        ModelStateMemory(),
     ]
     return callbacks
 

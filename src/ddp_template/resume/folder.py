@@ -17,6 +17,7 @@ a job (a sweep) of the same config, up to the keys a resume may change.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,16 +25,26 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from ddp_template.config import dotted
-from ddp_template.config.checkpoint_check import newest_complete
 from ddp_template.errors import ConfigError
+from ddp_template.project import dotted
+from ddp_template.resume.checkpoint_check import newest_complete
+from ddp_template.resume.checkpoint_io import previous_of
 from ddp_template.worker.results import RESULTS_FILE
 
 SAVED_CONFIG = Path(".hydra") / "config.yaml"
 SWEEP_CONFIG = "multirun.yaml"
 # Keys a resume may change: the switch itself, where and on how many devices it runs (the
 # loader continues at another world size, docs/resume.md), restarts, and Hydra's folders.
-MAY_CHANGE = ("resume", "devices", "num_nodes", "max_restarts", "network", "paths", "hydra")
+MAY_CHANGE = (
+    "resume",
+    "restart_from_scratch",
+    "devices",
+    "num_nodes",
+    "max_restarts",
+    "network",
+    "paths",
+    "hydra",
+)
 # What a sweep's command decides besides the config: which jobs it runs, in what order.
 SWEEP_KEYS = ("hydra.overrides.task", "hydra.sweeper.params", "hydra.sweep.subdir")
 
@@ -179,14 +190,71 @@ def check_sweep_folder(folder: Path, cfg: DictConfig) -> None:
         )
 
 
+def continues_earlier_attempt(cfg: DictConfig, job_dir: Path) -> bool:
+    """An attempt the config or its launcher says continues the job in `job_dir`: a restart
+    of the worker group (also on a node that rejoined without a failure of its own), a
+    SLURM requeue, `resume=true`."""
+    from ddp_template.resume.agent_records import rejoined_by_agent
+    from ddp_template.resume.attempts import requeue_count, restart_count
+
+    return (
+        bool(cfg.get("resume"))
+        or restart_count() > 0
+        or requeue_count() > 0
+        or rejoined_by_agent(job_dir)
+    )
+
+
+def check_first_attempt_folder(folder: Path, cfg: DictConfig, saved: Path | None) -> None:
+    """A job's first attempt trains in a folder without an earlier run's state: a rerun
+    under the same job id (`torchrun --rdzv-id`, `network.job_id`, `hydra.run.dir`) would
+    otherwise continue the old run's checkpoint, or write over it, or over its results.
+    `saved`: the folder's saved config, to name the keys that differ (None: not known).
+    A start from `ckpt_path` in a folder that did not finish is the config's own choice."""
+    last = last_checkpoint_of(folder)
+    found = [path.name for path in (last, previous_of(last)) if path.exists()]
+    finished = finished_results(folder) is not None
+    if not finished and (not found or cfg.get("ckpt_path")):
+        return
+    held = (
+        f"the results ({RESULTS_FILE}) of a finished run"
+        if finished
+        else (f"a checkpoint of an earlier run ({', '.join(found)} in {last.parent})")
+    )
+    if saved is not None and saved.is_file():
+        task_cfg = OmegaConf.masked_copy(cfg, [str(key) for key in cfg if key != "hydra"])
+        differences = config_differences(_load_mapping(saved), task_cfg)
+        held += (
+            ", whose config differs: " + _listed(differences)
+            if differences
+            else ", of the same config"
+        )
+    raise ConfigError(
+        "hydra.run.dir",
+        str(folder),
+        "for a job's first attempt (not a restart, a requeue or resume=true), a folder "
+        f"without an earlier run's state; this one holds {held}, which this attempt would "
+        "continue or write over",
+        "give the job a new id or folder (torchrun --rdzv-id=<new>, network.job_id=<new>, "
+        "hydra.run.dir=<new>), or add resume=true to continue that run",
+    )
+
+
 class ResumeCheck(Callback):
-    """Checks the folder a `resume=true` continues in, before Hydra saves the new config
-    there."""
+    """Checks the folder a run trains in, before Hydra saves the new config there: the
+    one a `resume=true` continues in, and that a first attempt holds no earlier run."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        folder = Path(str(config.hydra.run.dir))
         # Only the process that saves .hydra/ owns the folder (rank 0, see train.yaml).
         if config.get("resume") and config.hydra.output_subdir is not None:
-            _refuse_on_error(check_run_folder, Path(str(config.hydra.run.dir)), config)
+            _refuse_on_error(check_run_folder, folder, config)
+        if not continues_earlier_attempt(config, folder):
+            # Every rank refuses (none may train into the folder); rank 0 says why.
+            quiet = os.environ.get("RANK", "0") != "0"
+            _refuse_on_error(
+                check_first_attempt_folder, folder, config, folder / SAVED_CONFIG, quiet=quiet
+            )
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         # Before the sweeper saves the new sweep's config over the old (both sweepers of the
@@ -195,11 +263,14 @@ class ResumeCheck(Callback):
             _refuse_on_error(check_sweep_folder, Path(str(config.hydra.sweep.dir)), config)
 
 
-def _refuse_on_error(check: Any, folder: Path, config: DictConfig) -> None:
+def _refuse_on_error(
+    check: Any, folder: Path, config: DictConfig, *args: Any, quiet: bool = False
+) -> None:
     try:
-        check(folder, config)
+        check(folder, config, *args)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
+        if not quiet:
+            print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
 
 

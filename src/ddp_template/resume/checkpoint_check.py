@@ -12,11 +12,12 @@ builds (not another task's).
 from __future__ import annotations
 
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddp_template.errors import ConfigError
-from ddp_template.worker.checkpoint_io import LAST, previous_of
+from ddp_template.resume.checkpoint_io import LAST, previous_of
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -28,6 +29,8 @@ def unreadable(path: Path) -> str | None:
     reads (tensors mapped, not read)."""
     import torch
 
+    if path.is_dir():
+        return sharded_checkpoint_unreadable(path)
     if not path.is_file():
         return "the file does not exist"
     try:
@@ -40,6 +43,48 @@ def unreadable(path: Path) -> str | None:
     except Exception as err:  # noqa: BLE001 - any failure to load means: not usable
         return f"torch.load(weights_only=True) fails: {type(err).__name__}: {_first_line(err)}"
     return None
+
+
+def sharded_checkpoint_unreadable(folder: Path) -> str | None:
+    """Why a sharded (DCP) checkpoint folder cannot be trusted, or None: its metadata (DCP
+    writes it last) and Lightning's, and every shard file it names, long enough."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from ddp_template.worker.sharding import DCP_METADATA, LIGHTNING_METADATA
+
+    for name in (DCP_METADATA, LIGHTNING_METADATA):
+        if not (folder / name).is_file():
+            return f"a sharded checkpoint folder without its {name} (the save did not finish)"
+    try:
+        metadata = FileSystemReader(folder).read_metadata()
+        torch.load(folder / LIGHTNING_METADATA, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any failure to read means: not usable
+        return f"its metadata cannot be read: {type(err).__name__}: {_first_line(err)}"
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        shard = folder / name
+        if not shard.is_file():
+            return f"the shard {name} is missing"
+        if shard.stat().st_size < size:
+            return f"the shard {name} is cut short ({shard.stat().st_size} of {size} bytes)"
+    return None
+
+
+def sharded_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """The module's weights a sharded checkpoint holds, with their full shapes."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    prefix = "state_dict."
+    return {
+        key[len(prefix) :]: tuple(meta.size)
+        for key, meta in FileSystemReader(folder).read_metadata().state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
 
 
 def newest_complete(last: Path) -> tuple[Path | None, str | None]:
@@ -68,12 +113,12 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
-def check_checkpoint(cfg: DictConfig) -> None:
+def check_checkpoint(cfg: DictConfig, build_module: Callable[[DictConfig], Any]) -> None:
     """`ckpt_path`, before any worker starts: a complete training checkpoint whose weights
-    fit the model this config builds (not the exported `model.pt`, not another task's)."""
+    fit the model this config builds (`build_module`: the config's LightningModule; not the
+    exported `model.pt`, not another task's); a sharded folder of `strategy=fsdp` too
+    (complete, of this model), whatever the strategy."""
     import torch
-
-    from ddp_template.worker.build import build_task
 
     if cfg.get("ckpt_path") is None:
         return
@@ -86,6 +131,9 @@ def check_checkpoint(cfg: DictConfig) -> None:
             f"a complete Lightning checkpoint; this one cannot be used: {reason}",
             _fix_for_missing(path),
         )
+    if path.is_dir():
+        _check_sharded_fits(cfg, path, build_module)
+        return
     saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     if not isinstance(saved, dict) or "state_dict" not in saved or "loops" not in saved:
         raise ConfigError(
@@ -96,11 +144,38 @@ def check_checkpoint(cfg: DictConfig) -> None:
             "resume from the job's checkpoints/last.ckpt (or best.ckpt); model.pt is for "
             "loading the trained model elsewhere (torch.load, then load_state_dict)",
         )
+    _check_fits(cfg, saved["state_dict"], saved.get("hyper_parameters") or {}, build_module)
+
+
+def _check_sharded_fits(
+    cfg: DictConfig, folder: Path, build_module: Callable[[DictConfig], Any]
+) -> None:
+    """A sharded checkpoint, by its metadata alone (no shard is read)."""
+    import torch
+
+    from ddp_template.worker.sharding import LIGHTNING_METADATA
+
+    meta = torch.load(folder / LIGHTNING_METADATA, map_location="cpu", weights_only=True)
+    shapes = {
+        key: torch.empty(shape, device="meta") for key, shape in sharded_shapes(folder).items()
+    }
+    _check_fits(cfg, shapes, meta.get("hyper_parameters") or {}, build_module)
+
+
+def _check_fits(
+    cfg: DictConfig,
+    saved_state: dict[str, Any],
+    hyper_parameters: dict,
+    build_module: Callable[[DictConfig], Any],
+) -> None:
+    """The saved weights are those of the model this config builds."""
+    import torch
+
     with torch.device("meta"):
-        _, module = build_task(cfg)
-    difference = _difference(saved["state_dict"], module.state_dict())
+        module = build_module(cfg)
+    difference = _difference(saved_state, module.state_dict())
     if difference:
-        trained = _hyperparameter_differences(saved.get("hyper_parameters") or {}, module)
+        trained = _hyperparameter_differences(hyper_parameters, module)
         raise ConfigError(
             "ckpt_path",
             cfg.ckpt_path,

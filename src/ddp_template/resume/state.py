@@ -6,12 +6,21 @@ training loader's position (`data.ResumableDataLoader`). This callback adds the 
 - Each rank draws its own random numbers: at setup every rank is seeded from (seed, rank),
   so dropout differs across ranks while a run stays reproducible for a seed and world size.
   The initial weights were drawn before, from `seed` alone, the same on every rank.
-- Every rank's generator states (torch, CUDA, NumPy, Python) and communication hook state
-  (PowerSGD), gathered to rank 0 only, which writes the checkpoint: the other ranks hold
-  their own state alone (PowerSGD's error feedback is about the model's size per rank, so
-  gathering to every rank would hold world-size copies on each). Checkpoints are therefore
-  saved on all ranks together, as Lightning requires (ModelCheckpoint does;
-  `trainer.save_checkpoint(path)` must be called on every rank).
+- Every rank's generator states (torch, CUDA, NumPy, Python: a few KiB each, whatever the
+  model), gathered to rank 0 only, which writes the checkpoint.
+- The communication hook's state (PowerSGD) once, not once per rank: its step counter, its
+  generator and its low-rank factors Q are the same on every rank, and of each rank's
+  compression error only the mean over ranks is kept (one all-reduce, the model's size on
+  every rank). That mean is all the run's next steps depend on: each rank adds its error to
+  its gradient before compressing, and what PowerSGD compresses and hands back is computed
+  from the ranks' mean alone (P = mean(M_i) Q, Q = mean(M_i)^T P, with M_i = gradient_i +
+  error_i), so a resume with every rank holding the mean error continues the same
+  computation, at the same world size or another, up to the rounding of the sum's order.
+  Gathering every rank's error instead would make rank 0's memory and the file grow with the
+  world size (O(W x model)). PyTorch's own checkpoint of PowerSGD state keeps one rank's
+  (`PowerSGDState.__getstate__`, saved from rank 0), which changes the sum.
+  Checkpoints are therefore saved on all ranks together, as Lightning requires
+  (ModelCheckpoint does; `trainer.save_checkpoint(path)` must be called on every rank).
 
 On resume the states are put back when training starts, after Lightning's sanity check
 (which re-seeds every generator at its end) and before the first batch.
@@ -25,7 +34,11 @@ import lightning as L
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 
-from ddp_template.worker.comm_hooks import hook_state_dict, load_hook_state_dict
+from ddp_template.worker.comm_hooks import (
+    hook_state_dict,
+    load_hook_state_dict,
+    mean_error_feedback,
+)
 from ddp_template.worker.rng import derived_seed, numpy_state, plain_numpy_state
 
 # Keys that tell the per-rank seed stream from the others drawn from `seed`.
@@ -56,13 +69,13 @@ class ResumeState(L.Callback):
         # CUDA's generators only where the run trains on CUDA: asking for them initialises
         # CUDA, which a CPU rank forked on a GPU machine could not (cuda_devices).
         on_cuda = trainer.strategy.root_device.type == "cuda"
-        mine = {
-            "rng": _plain_rng_states(_collect_rng_states(include_cuda=on_cuda)),
-            "comm_hook": hook_state_dict(trainer.strategy.model),
-        }
+        hook = mean_error_feedback(
+            hook_state_dict(trainer.strategy.model), trainer.strategy.root_device
+        )
+        mine = {"rng": _plain_rng_states(_collect_rng_states(include_cuda=on_cuda))}
         gathered = _gather_to_rank_zero(mine, trainer)
         # Only rank 0's checkpoint is written; the others' states are in it.
-        return {"ranks": gathered} if gathered is not None else {}
+        return {"ranks": gathered, "comm_hook": hook} if gathered is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._to_restore = state_dict or None
@@ -72,19 +85,24 @@ class ResumeState(L.Callback):
         if saved is None:
             return
         ranks = saved["ranks"]
-        if len(ranks) != trainer.world_size:
+        same_size = len(ranks) == trainer.world_size
+        # Older checkpoints kept each rank's hook state: usable at the same world size.
+        hook = saved.get("comm_hook") or (
+            ranks[trainer.global_rank].get("comm_hook") if same_size else None
+        )
+        load_hook_state_dict(trainer.strategy.model, hook)
+        if not same_size:
             if trainer.is_global_zero:
                 # stdout: rank 0's reaches the console under this project's launcher.
                 print(
                     f"Resuming at world size {trainer.world_size} from a checkpoint saved at"
                     f" world size {len(ranks)}: the data continues where it stood; each rank's"
-                    " random numbers and gradient compression state (PowerSGD) start afresh.",
+                    " random numbers start afresh.",
                     flush=True,
                 )
             return
         mine = ranks[trainer.global_rank]
         _set_rng_states(_rng_states(mine["rng"], trainer.strategy.root_device.type == "cuda"))
-        load_hook_state_dict(trainer.strategy.model, mine["comm_hook"])
 
 
 def _gather_to_rank_zero(mine: dict[str, Any], trainer: L.Trainer) -> list[Any] | None:

@@ -59,11 +59,18 @@ class ResumableDistributedSampler(DistributedSampler):
     Every index carries a seed drawn from (seed, epoch, global position of the batch's first
     sample): batches differ across ranks and epochs, and a batch is augmented the same way
     whichever worker loads it, and after a resume at the same world size.
+
+    `drop_lone_sample`: a share that would end in a batch of one sample (which BatchNorm
+    cannot train on, `data.drops_lone_sample`) leaves its last sample out, the share of this
+    iteration: a resumed epoch's share differs from a whole epoch's.
     """
 
-    def __init__(self, *args: Any, batch_size: int = 1, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, batch_size: int = 1, drop_lone_sample: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.batch_size = batch_size
+        self.drop_lone_sample = drop_lone_sample
         # Where the current iteration started in the epoch's global order.
         self.start = 0
         self._resume: tuple[int, int] | None = None
@@ -84,9 +91,15 @@ class ResumableDistributedSampler(DistributedSampler):
     def share(self, start: int) -> int:
         """Samples of each rank in an iteration that starts at `start` (equal on all ranks)."""
         rest = self._size() - start
-        if self.drop_last:
-            return rest // self.num_replicas
-        return math.ceil(rest / self.num_replicas)
+        share = rest // self.num_replicas if self.drop_last else math.ceil(rest / self.num_replicas)
+        if self.drop_lone_sample and is_lone_sample_left(share, self.batch_size):
+            # Each rank's last sample: the rest's last `num_replicas` positions.
+            return share - 1
+        return share
+
+    def __len__(self) -> int:
+        """Samples of each rank in a whole epoch."""
+        return self.share(0)
 
     def position_after(self, batches: int) -> int:
         """The global position once every rank has taken `batches` batches of the current
@@ -123,6 +136,12 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def _size(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]  # sized, as DistributedSampler needs
+
+
+def is_lone_sample_left(share: int, batch_size: int) -> bool:
+    """A share of `share` samples in batches of `batch_size` ends in a batch of one (a
+    share of one sample is its only batch, and kept)."""
+    return share % batch_size == 1 and share > 1
 
 
 class SeededSamples(Dataset):

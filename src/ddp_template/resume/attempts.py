@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import lightning as L
 
-from ddp_template.worker.resumable_loader import ResumableDataLoader
+from ddp_template.resume.loader import ResumableDataLoader
 
 
 def restart_count() -> int:
@@ -85,3 +85,12 @@ class AttemptLog(L.Callback):
         # training loads best.ckpt too, whose list already holds this attempt.
         if self._current is None:
             self._earlier = list(state_dict.get("attempts", []))
+
+
+def attempts_summary(trainer: L.Trainer) -> dict[str, Any]:
+    """`attempts`: how each began, its first step, world size and samples trained
+    ; `samples_trained`: theirs together, all ranks."""
+    logs = [c for c in trainer.callbacks if isinstance(c, AttemptLog)]  # type: ignore[attr-defined]
+    if not logs:
+        return {"attempts": [], "samples_trained": None}
+    return {"attempts": logs[0].attempts, "samples_trained": logs[0].samples_trained}

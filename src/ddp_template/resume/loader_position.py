@@ -11,7 +11,8 @@ sets the loader up, and counts the batches of the resumed epoch itself. Both nee
   Lightning ends an epoch when its count reaches the loader's length (and calls that batch
   the last one, which starts the epoch's validation), so its count is moved to the length
   minus the batches left: the epoch ends with its last sample, validation runs as usual.
-  A schedule counted in steps (OneCycleLR) then lasts the run's real length
+- A schedule counted in steps (OneCycleLR, CosineAnnealingLR) continues as an uninterrupted
+  run of this shape would from the resumed place, inside an epoch or at its end
   (`optim.fit_schedule_to_resumed_run`).
 """
 
@@ -22,7 +23,7 @@ from typing import cast
 import lightning as L
 
 from ddp_template.optim import fit_schedule_to_resumed_run
-from ddp_template.worker.resumable_loader import ResumableDataLoader, ResumableDistributedSampler
+from ddp_template.resume.loader import ResumableDataLoader, ResumableDistributedSampler
 
 _COUNTERS = ("ready", "started", "processed", "completed")
 
@@ -33,6 +34,9 @@ class LoaderPosition(L.Callback):
         fit_loop._load_combined_loader_states()
         loader = trainer.train_dataloader
         if not isinstance(loader, ResumableDataLoader) or not loader.continues_epoch:
+            if trainer.ckpt_path is not None:
+                # Resumed at an epoch's end: the next epoch starts with none of its batches done.
+                fit_schedule_to_resumed_run(trainer, pl_module, trainer.current_epoch, 0)
             return
         progress = fit_loop.epoch_loop.batch_progress
         shift = len(loader) - loader.batches_left() - progress.current.ready
@@ -41,4 +45,4 @@ class LoaderPosition(L.Callback):
             for counter in _COUNTERS:
                 setattr(tracker, counter, getattr(tracker, counter) + shift)
         epoch = cast(ResumableDistributedSampler, loader.sampler).epoch
-        fit_schedule_to_resumed_run(trainer, pl_module, epoch)
+        fit_schedule_to_resumed_run(trainer, pl_module, epoch, progress.current.ready)

@@ -1,0 +1,445 @@
+"""The scaling model against measured step times at several lab nodes and link rates.
+
+For each node count N (2, 4, 8) the machine's cores are shared out as N nodes of a fraction
+of a core each (a cgroup v1 cpu quota, by default 1.6 cores / N, at most 0.8), all under one
+parent cgroup whose weight keeps other work on the machine from taking the quota. At that
+fraction it runs, in order:
+
+1. the one-node run users feed the model (`train.py experiment=benchmark strategy=ddp
+   devices=1`, plain Python, no lab), on node 0's core and quota;
+2. the command users run, on the same core and quota, for each link rate:
+   `python -m ddp_template.tools.scaling <one-node run> --nodes N --link <rate>
+   --hooks none,fp16,powersgd --buckets 1,25,100` (its own hook-cost probe);
+3. the N-node job on the lab (`ddp_template.tools.netlab`, one namespace per node, links
+   shaped to the rate), one torchrun agent per node, each node in its own quota, for every
+   setting: comm_hook=none at bucket_cap_mb=1,25,100 and fp16, powersgd at 25 (`--full`:
+   every hook at every bucket size).
+
+No figure from the N-node jobs goes into a prediction. Prints predicted against measured
+step time with the error per setting, and per case (node count x rate) the setting the
+command recommends among those measured against the measured best; writes
+scaling_validation.csv/.json/.md into --out.
+
+    .venv/bin/python benchmarks/scaling_validation.py --nodes 2,4 --full   # as root, ~30 min
+    .venv/bin/python benchmarks/scaling_validation.py                  # 2,4,8: 8 nodes need ~13 GB
+    .venv/bin/python benchmarks/scaling_validation.py --report-only    # the report again
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from ddp_template.tools.netlab import Lab, parse_rate  # noqa: E402
+
+CGROUP = Path("/sys/fs/cgroup/cpu")
+PERIOD_US = 100_000
+HOOKS = ["none", "fp16", "powersgd"]
+BUCKETS = [1, 25, 100]
+PYTHON = sys.executable
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+
+
+def grid(full: bool) -> list[tuple[str, int]]:
+    if full:
+        return [(h, b) for h in HOOKS for b in BUCKETS]
+    return [("none", b) for b in BUCKETS] + [(h, 25) for h in HOOKS if h != "none"]
+
+
+def fraction_for(nodes: int, total: float) -> float:
+    return round(min(0.8, total / nodes), 3)
+
+
+def train_args(args: argparse.Namespace, warmup: int, steps: int) -> list[str]:
+    return [
+        "experiment=benchmark",
+        "accelerator=cpu",
+        "strategy=ddp",
+        f"data.image_size={args.image_size}",
+        f"data.batch_size={args.batch_size}",
+        f"benchmark.warmup_steps={warmup}",
+        f"benchmark.steps={steps}",
+    ]
+
+
+# --- cgroups: one per node under a parent that outweighs everything else -------------------
+
+
+def make_group(parent: str, name: str, fraction: float) -> Path:
+    top = CGROUP / parent
+    top.mkdir(exist_ok=True)
+    # Other processes sit in session autogroups of weight 1024 each: this parent wins.
+    (top / "cpu.shares").write_text("262144")
+    group = top / name
+    group.mkdir(exist_ok=True)
+    (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+    (group / "cpu.cfs_quota_us").write_text(str(int(fraction * PERIOD_US)))
+    return group
+
+
+def remove_groups(parent: str) -> None:
+    """The cgroups this script made (each empty once its processes are gone)."""
+    top = CGROUP / parent
+    if not top.is_dir():
+        return
+    for group in (g for g in top.iterdir() if g.is_dir()):
+        with contextlib.suppress(OSError):
+            group.rmdir()
+    with contextlib.suppress(OSError):
+        top.rmdir()
+
+
+def in_group(group: Path, command: list[str]) -> list[str]:
+    """The command, started inside `group` (the shell enters it, then becomes the command)."""
+    return ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", *command]
+
+
+def wait_for_memory(needed_mb: int) -> None:
+    while True:
+        available = (
+            int(
+                next(
+                    x for x in Path("/proc/meminfo").read_text().splitlines() if "MemAvailable" in x
+                ).split()[1]
+            )
+            // 1024
+        )
+        if available >= needed_mb:
+            return
+        print(f"waiting: {available} MiB available, {needed_mb} needed", flush=True)
+        time.sleep(20)
+
+
+# --- the three stages --------------------------------------------------------------------
+
+
+def one_node_run(args: argparse.Namespace, fraction: float, nodes: int) -> Path:
+    """Node 0's one-node run, with the other N - 1 nodes' cores and quotas busy with the same
+    training (as in the lab, where the nodes share the machine's caches and memory; on a
+    cluster each node has a machine of its own, and a one-node run there computes as fast as
+    each node of the job)."""
+    folder = args.out / f"one_node_{fraction}"
+    predicted = [args.out / f"predicted_{nodes}_{rate}.txt" for rate in args.rate_list]
+    if (folder / "results.json").is_file() and all(p.is_file() for p in predicted):
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    neighbours = []
+    for index in range(1, nodes):
+        group = make_group(args.prefix, f"{args.prefix}-node{index}", fraction)
+        command = [
+            "taskset",
+            "-c",
+            str(core_of(index)),
+            PYTHON,
+            str(ROOT / "train.py"),
+            *train_args(args, args.warmup + 1, 100 * args.one_node_steps),
+            "devices=1",
+            f"hydra.run.dir={folder / 'neighbours' / str(index)}",
+        ]
+        neighbours.append(
+            subprocess.Popen(
+                in_group(group, command),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                cwd=ROOT,
+                start_new_session=True,
+            )
+        )
+    try:
+        group = make_group(args.prefix, f"{args.prefix}-node0", fraction)
+        command = [
+            "taskset",
+            "-c",
+            str(core_of(0)),
+            PYTHON,
+            str(ROOT / "train.py"),
+            *train_args(args, args.warmup + 1, args.one_node_steps),
+            "devices=1",
+            f"hydra.run.dir={folder}",
+        ]
+        with open(folder / "node0.log", "w") as log:
+            run = subprocess.run(in_group(group, command), stdout=log, stderr=log, cwd=ROOT)
+        if run.returncode:
+            raise RuntimeError(f"the one-node run failed: see {folder}/node0.log")
+        # The command users run next, on the same core, quota and neighbours.
+        for rate in args.rate_list:
+            predict_with_the_command(args, folder, nodes, rate, group)
+    finally:
+        for proc in neighbours:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return folder
+
+
+def core_of(index: int) -> int:
+    """The core netlab gives node `index` (one each, round the machine's cores)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return cores[index % len(cores)]
+
+
+def predict_with_the_command(
+    args: argparse.Namespace, one_node: Path, nodes: int, rate: str, group: Path
+) -> Path:
+    out = args.out / f"predicted_{nodes}_{rate}.txt"
+    command = [
+        "taskset",
+        "-c",
+        str(core_of(0)),
+        PYTHON,
+        "-m",
+        "ddp_template.tools.scaling",
+        str(one_node),
+        "--nodes",
+        str(nodes),
+        "--link",
+        rate,
+        "--hooks",
+        ",".join(HOOKS),
+        "--buckets",
+        ",".join(map(str, BUCKETS)),
+    ]
+    done = subprocess.run(in_group(group, command), capture_output=True, text=True, cwd=ROOT)
+    if done.returncode:
+        raise RuntimeError(f"the scaling command failed: {done.stderr}")
+    out.write_text(done.stdout)
+    print(done.stdout, flush=True)
+    return out
+
+
+def lab_run(
+    args: argparse.Namespace, lab: Lab, folder: Path, overrides: list[str], port: int
+) -> None:
+    if (folder / "results.json").is_file():
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    nodes = len(lab.nodes)
+    procs = []
+    with contextlib.ExitStack() as logs:
+        for node in lab.nodes:
+            group = make_group(args.prefix, f"{args.prefix}-node{node.index}", args.current)
+            command = [
+                TORCHRUN,
+                f"--nnodes={nodes}",
+                "--nproc_per_node=1",
+                "--rdzv_backend=c10d",
+                f"--rdzv_endpoint={lab.nodes[0].address}:{port}",
+                f"--rdzv_id=sv{port}",
+                str(ROOT / "train.py"),
+                *overrides,
+                f"hydra.run.dir={folder}",
+            ]
+            log = logs.enter_context((folder / f"node{node.index}.log").open("w"))
+            # Into the cgroup before the namespace: `ip netns exec` mounts a /sys of its own,
+            # without the cgroup file systems; the children inherit the group.
+            procs.append(
+                subprocess.Popen(
+                    in_group(group, lab.command(node.index, command)),
+                    stdout=log,
+                    stderr=log,
+                    cwd=ROOT,
+                )
+            )
+        deadline = time.monotonic() + args.timeout
+        try:
+            for proc in procs:
+                proc.wait(timeout=max(1, deadline - time.monotonic()))
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+    if any(p.returncode for p in procs) or not (folder / "results.json").is_file():
+        raise RuntimeError(f"the {nodes}-node run failed: see {folder}/node*.log")
+
+
+def measure(args: argparse.Namespace) -> None:
+    port = 29500 + os.getpid() % 400
+    for nodes in args.node_counts:
+        fraction = args.current = fraction_for(nodes, args.total_cores)
+        wait_for_memory(2000 * nodes + 2000)
+        one_node_run(args, fraction, nodes)
+        wait_for_memory(2000 * nodes + 2000)
+        lab = Lab.up(nodes=nodes, rate=args.rate_list[0], prefix=args.prefix)
+        try:
+            for rate in args.rate_list:
+                lab.set_rate(parse_rate(rate))
+                for hook, bucket in grid(args.full):
+                    port += 1
+                    folder = args.out / f"{nodes}nodes_{rate}" / f"{hook}_{bucket}"
+                    overrides = [
+                        *train_args(args, args.warmup, args.steps),
+                        f"strategy.comm_hook={hook}",
+                        f"strategy.bucket_cap_mb={bucket}",
+                    ]
+                    started = time.monotonic()
+                    lab_run(args, lab, folder, overrides, port)
+                    print(
+                        f"{nodes} nodes x {fraction} core, {rate}, {hook} {bucket}: "
+                        f"{time.monotonic() - started:.0f} s",
+                        flush=True,
+                    )
+        finally:
+            lab.down()
+
+
+# --- the report --------------------------------------------------------------------------
+
+LINE = re.compile(r"nodes=(\d+) hook=(\w+) bucket_cap_mb=(\S+) .* predicted step time: ([\d.]+) s")
+
+
+def predictions(path: Path) -> dict[tuple[str, int], float]:
+    found = {}
+    for match in LINE.finditer(path.read_text()):
+        found[(match[2], int(float(match[3])))] = float(match[4])
+    return found
+
+
+def command_choice(path: Path) -> tuple[str, int]:
+    """The pair the command recommends (its `recommended at nodes=` line)."""
+    match = re.search(r"strategy.comm_hook=(\w+) strategy.bucket_cap_mb=(\S+)", path.read_text())
+    assert match, path
+    return match[1], int(float(match[2]))
+
+
+def probe_line(path: Path) -> str:
+    return next(x for x in path.read_text().splitlines() if x.startswith("hook compute"))
+
+
+def rows_of(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    rows, cases = [], []
+    for nodes in args.node_counts:
+        for rate in args.rate_list:
+            predicted = predictions(args.out / f"predicted_{nodes}_{rate}.txt")
+            measured = {}
+            for hook, bucket in grid(args.full):
+                results = args.out / f"{nodes}nodes_{rate}" / f"{hook}_{bucket}" / "results.json"
+                if not results.is_file():
+                    continue
+                record = json.loads(results.read_text())
+                measured[(hook, bucket)] = float(record["step_time_median_s"])
+                assert record["world_size"] == nodes, results
+                step = measured[(hook, bucket)]
+                rows.append(
+                    {
+                        "nodes": nodes,
+                        "core_fraction": fraction_for(nodes, args.total_cores),
+                        "rate": rate,
+                        "comm_hook": hook,
+                        "bucket_cap_mb": bucket,
+                        "measured_step_s": round(step, 4),
+                        "predicted_step_s": round(predicted[(hook, bucket)], 4),
+                        "error": round(predicted[(hook, bucket)] / step - 1, 4),
+                    }
+                )
+            if not measured:
+                continue
+            # The command's choice; where that setting was not measured (the reduced grid),
+            # its choice among the settings that were.
+            chosen = command_choice(args.out / f"predicted_{nodes}_{rate}.txt")
+            among_measured = chosen in measured
+            if not among_measured:
+                chosen = min(measured, key=lambda s: predicted[s])
+            best = min(measured, key=lambda s: measured[s])
+            cases.append(
+                {
+                    "nodes": nodes,
+                    "rate": rate,
+                    "recommended": f"{chosen[0]} {chosen[1]}"
+                    + ("" if among_measured else " (among those measured)"),
+                    "recommended_measured_s": round(measured[chosen], 4),
+                    "measured_best": f"{best[0]} {best[1]}",
+                    "measured_best_s": round(measured[best], 4),
+                    "slower_than_best": round(measured[chosen] / measured[best] - 1, 4),
+                    "probe": probe_line(args.out / f"predicted_{nodes}_{rate}.txt"),
+                }
+            )
+    return rows, cases
+
+
+def write(args: argparse.Namespace, rows: list[dict], cases: list[dict]) -> None:
+    out = args.out
+    with open(out / "scaling_validation.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / "scaling_validation.json").write_text(
+        json.dumps({"rows": rows, "cases": cases}, indent=2)
+    )
+    lines = [
+        "| nodes x core | link | comm_hook | bucket_cap_mb | measured step s | predicted s | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['nodes']} x {r['core_fraction']} | {r['rate']} | {r['comm_hook']} | "
+        f"{r['bucket_cap_mb']} | {r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | "
+        f"{r['error']:+.1%} |"
+        for r in rows
+    ]
+    lines += [
+        "",
+        "| nodes | link | recommended (measured s) | measured best (s) | recommended slower by |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {c['nodes']} | {c['rate']} | {c['recommended']} ({c['recommended_measured_s']:.3f}) | "
+        f"{c['measured_best']} ({c['measured_best_s']:.3f}) | {c['slower_than_best']:+.1%} |"
+        for c in cases
+    ]
+    errors = [abs(r["error"]) for r in rows]
+    within = sum(e <= 0.15 for e in errors)
+    good = sum(c["slower_than_best"] <= 0.05 for c in cases)
+    lines += [
+        "",
+        f"{within} of {len(rows)} predictions within 15% (largest {max(errors):.1%}; "
+        f"{sum(r['error'] < 0 for r in rows)} negative); the recommendation is the measured "
+        f"best or within 5% of it in {good} of {len(cases)} cases.",
+    ]
+    lines += sorted({f"- {c['nodes']} nodes: {c['probe']}" for c in cases})
+    (out / "scaling_validation.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", default="2,4,8")
+    parser.add_argument("--rates", default="200mbit,1gbit")
+    parser.add_argument("--total-cores", type=float, default=1.6, help="shared out among nodes")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "benchmarks" / "results" / "scaling_validation"
+    )
+    parser.add_argument("--image-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--one-node-steps", type=int, default=8)
+    parser.add_argument("--prefix", default="sv")
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--full", action="store_true", help="every hook at every bucket size")
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args()
+    args.node_counts = [int(n) for n in args.nodes.split(",")]
+    args.rate_list = [r for r in args.rates.split(",") if r]
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.report_only:
+        try:
+            measure(args)
+        finally:
+            remove_groups(args.prefix)
+    write(args, *rows_of(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
