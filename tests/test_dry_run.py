@@ -6,14 +6,18 @@ what a real start refuses there; it starts no worker and writes no checkpoint.""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import math
+import multiprocessing
 import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -165,6 +169,17 @@ def _parameter_shapes(*overrides: str) -> list[list[int]]:
     return [list(p.shape) for p in _module(*overrides).parameters()]
 
 
+@pytest.fixture(scope="module")
+def plan_in_child() -> Iterator[Callable[[Any], dict]]:
+    """`plan(cfg)` in a process of the module's own: the fake process group, FSDP's hooks
+    and the threads they leave stay out of the test process, which goes on to start real
+    process groups in later tests. A refusal is raised here as the child raised it; a
+    crash of the child fails the test that caused it (BrokenProcessPool), not the run."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as child:
+        yield lambda cfg: child.submit(plan, cfg).result()
+
+
 def _planned(*overrides: str, tmp_path: Path):
     cfg = compose_train(*PLANNED, *overrides)
     with open_dict(cfg):
@@ -189,17 +204,21 @@ def test_a_batch_larger_than_a_rank_shard_is_refused_as_a_real_start_refuses_it(
     assert workers == [] and not (run_dir / DRY_RUN_FILE).exists()
 
 
-def test_a_validation_split_smaller_than_the_ranks_is_refused(tmp_path: Path) -> None:
+def test_a_validation_split_smaller_than_the_ranks_is_refused(
+    tmp_path: Path, plan_in_child: Callable[[Any], dict]
+) -> None:
     cfg = _planned(*SYNTHETIC, "data.eval_samples=1000", tmp_path=tmp_path)
     with pytest.raises(ConfigError, match="validation split has 1000 samples, fewer than the 1024"):
-        plan(cfg)
+        plan_in_child(cfg)
     assert not (tmp_path / DRY_RUN_FILE).exists()
 
 
-def test_a_small_world_shows_its_padding_and_the_optimizer_state(tmp_path: Path) -> None:
+def test_a_small_world_shows_its_padding_and_the_optimizer_state(
+    tmp_path: Path, plan_in_child: Callable[[Any], dict]
+) -> None:
     """32 ranks over diabetes' 310 rows: 10 each, 10 of them repeats, on 10 ranks."""
     cfg = _planned("num_nodes=4", "task=regression", "data.batch_size=4", tmp_path=tmp_path)
-    planned = plan(cfg)
+    planned = plan_in_child(cfg)
     data = planned["data"]
     assert data["train_shard_per_rank"] == [10] * 32
     assert data["padding"] == 10 and data["ranks_with_padding"] == 10
@@ -212,7 +231,9 @@ def test_a_small_world_shows_its_padding_and_the_optimizer_state(tmp_path: Path)
     assert json.loads((tmp_path / DRY_RUN_FILE).read_text())["world_size"] == 32
 
 
-def test_gradients_as_bucket_views_cost_no_memory_of_their_own(tmp_path: Path) -> None:
+def test_gradients_as_bucket_views_cost_no_memory_of_their_own(
+    tmp_path: Path, plan_in_child: Callable[[Any], dict]
+) -> None:
     cfg = _planned(
         "num_nodes=4",
         "task=regression",
@@ -222,13 +243,15 @@ def test_gradients_as_bucket_views_cost_no_memory_of_their_own(tmp_path: Path) -
         "strategy.comm_hook=powersgd",
         tmp_path=tmp_path,
     )
-    memory = plan(cfg)["memory_per_rank"]
+    memory = plan_in_child(cfg)["memory_per_rank"]
     assert memory["gradients"] == 0 and memory["buckets"] == memory["parameters"]
     # PowerSGD's error feedback: a copy of the buckets, plus the low-rank factors.
     assert memory["comm_hook_state"] > memory["buckets"]
 
 
-def test_fsdp_is_planned_as_shards_gathered_units_and_ring_collectives(tmp_path: Path) -> None:
+def test_fsdp_is_planned_as_shards_gathered_units_and_ring_collectives(
+    tmp_path: Path, plan_in_child: Callable[[Any], dict]
+) -> None:
     """`strategy=fsdp` at 16 ranks: rank 0's shard is ceil(rows / W) rows of every
     parameter (FSDP2's chunks), the units are the MLP's Linear layers, the traffic three
     ring collectives of the gathered bytes, against DDP's two of the gradients."""
@@ -243,7 +266,7 @@ def test_fsdp_is_planned_as_shards_gathered_units_and_ring_collectives(tmp_path:
         cfg.num_nodes = 2
         cfg.devices = 8
     world = 16
-    planned = plan(cfg)
+    planned = plan_in_child(cfg)
     shapes = _parameter_shapes("task=regression")
     elements = [math.prod(s) for s in shapes]
     # Rank 0 holds the first ceil(rows / W) rows of each parameter.
