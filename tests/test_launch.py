@@ -249,6 +249,7 @@ def test_a_worker_exception_is_shown_once_with_its_rank(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("cluster")  # the one-machine SLURM: see test_slurm.py
 def test_tasks_started_by_srun_train_in_place(tmp_path: Path) -> None:
     """Two processes with the environment srun gives its tasks (no cluster needed): Lightning's
     SLURM environment ranks them, no launcher starts more, both agree on one job folder."""

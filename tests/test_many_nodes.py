@@ -27,6 +27,11 @@ from ddp_template.launch.network import Endpoint
 from ddp_template.tools.netlab import Lab, require_namespaces
 from ddp_template.worker.node_agreement import NodesDisagree, check_nodes, start_wait
 
+# One SLURM and one lab at a time: under pytest-xdist (README's test command) the tests of
+# this group run in one worker, one after another (their clusters share names, addresses
+# and the one-machine SLURM's CPUs).
+pytestmark = pytest.mark.xdist_group("cluster")
+
 
 class CountingBoard:
     """The real store, with each request and each key it names counted."""

@@ -20,6 +20,11 @@ from helpers.runs import FAST, ROOT, results, subprocess_env
 from ddp_template.errors import ConfigError, UserFacingError
 from ddp_template.tools.netlab import Lab, parse_rate, require_namespaces
 
+# One SLURM and one lab at a time: under pytest-xdist (README's test command) the tests of
+# this group run in one worker, one after another (their clusters share names, addresses
+# and the one-machine SLURM's CPUs).
+pytestmark = pytest.mark.xdist_group("cluster")
+
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 TRAIN = str(ROOT / "train.py")
 # What makes a node's output name our code: a traceback line inside the project.

@@ -28,6 +28,11 @@ from helpers.runs import (
 )
 from helpers.slurm_jobs import job_logs, wait_for_step, wait_for_training_again, wait_until
 
+# One SLURM and one lab at a time: under pytest-xdist (README's test command) the tests of
+# this group run in one worker, one after another (their clusters share names, addresses
+# and the one-machine SLURM's CPUs).
+pytestmark = pytest.mark.xdist_group("cluster")
+
 # Two tasks of one CPU each, a few steps: a DDP job of a few seconds once started.
 TINY_SLURM = ["-m", "launcher=slurm", "strategy=ddp", "devices=2", *FAST]
 

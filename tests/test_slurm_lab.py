@@ -25,6 +25,11 @@ from helpers.slurm_jobs import job_logs, wait_for_step, wait_for_training_again,
 from ddp_template.errors import UserFacingError
 from ddp_template.tools.slurm_lab import SlurmLab
 
+# One SLURM and one lab at a time: under pytest-xdist (README's test command) the tests of
+# this group run in one worker, one after another (their clusters share names, addresses
+# and the one-machine SLURM's CPUs).
+pytestmark = pytest.mark.xdist_group("cluster")
+
 PYTHON = sys.executable
 TRAIN = str(ROOT / "train.py")
 # One task on each of the two nodes, one CPU each: world size 2 over the lab's link.
