@@ -55,6 +55,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             )
 
 
+_UNGROUPED = pytest.StashKey[str]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Under `--dist loadgroup` every `xdist_group` test must carry its group in its id (the
+    scheduler reads it there): the SLURM and lab tests share one cluster and one set of
+    namespaces, and on two workers at once they failed each other. pytest 9.2 with
+    pytest-xdist 3.8 dropped the groups silently; such tests now fail at set-up, saying why,
+    instead of running beside each other."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    for item in session.items:
+        if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid:
+            item.stash[_UNGROUPED] = (
+                f"{item.nodeid} is marked xdist_group, and under --dist loadgroup its id "
+                f"carries no group: pytest-xdist did not apply the groups with this pytest "
+                f"({pytest.__version__}), so the tests of one group would run on several "
+                "workers at once. Fix: install the versions pyproject.toml admits "
+                "(bash scripts/setup.sh dev), or run without -n."
+            )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if _UNGROUPED in item.stash:
+        pytest.fail(item.stash[_UNGROUPED], pytrace=False)
+
+
 def on_ci() -> bool:
     """CI sets CI=true (so does .ci/run): there every service the tests need is installed."""
     return os.environ.get("CI", "").lower() == "true"

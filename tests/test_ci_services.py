@@ -134,3 +134,37 @@ def test_ci_runs_the_test_command_readme_gives() -> None:
     assert found and " -m " not in options and " -k " not in options, test_command
     ci_lines = (root / ".ci" / "run").read_text().splitlines()
     assert test_command in ci_lines, f"{test_command!r} is not a line of .ci/run"
+
+
+GROUPED_CASES = """
+import os
+
+import pytest
+
+pytestmark = pytest.mark.xdist_group("cluster")
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_grouped(case):
+    with open("workers.txt", "a") as seen:
+        seen.write(os.environ["PYTEST_XDIST_WORKER"] + "\\n")
+"""
+
+
+def test_an_xdist_group_keeps_its_tests_on_one_worker(tmp_path: Path) -> None:
+    """README's test command runs two workers; the SLURM and lab tests share one cluster and
+    must run one after another on one of them (xdist_group "cluster"). With pytest 9.2 and
+    pytest-xdist 3.8 the groups were silently dropped and those tests failed each other."""
+    (tmp_path / "test_grouped.py").write_text(GROUPED_CASES)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "conftest", "-q", "-p", "no:cacheprovider"]
+        + ["-n", "2", "--dist", "loadgroup", "--rootdir", str(tmp_path), "test_grouped.py"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(TESTS)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    workers = (tmp_path / "workers.txt").read_text().split()
+    assert len(workers) == 8 and len(set(workers)) == 1, workers

@@ -53,10 +53,20 @@ def _children(pid: int) -> dict[int, str]:
     return found
 
 
-def _workers(seen: dict[int, str]) -> list[str]:
-    """Python processes among them: a worker (helpers such as `ldconfig -p`, which a
-    library runs to find a shared library, are not)."""
-    return [command for command in seen.values() if "python" in command]
+# A worker imports torch and Lightning before anything else: it lives for seconds.
+WORKER_LIFETIME_S = 1.0
+
+
+def _workers(seen: dict[int, tuple[str, float, float]]) -> list[str]:
+    """Python processes among them that lived as a worker would: helpers such as
+    `ldconfig -p`, which a library runs to find a shared library, are not, and between its
+    fork and its exec such a helper shows the parent's own command line (on a loaded
+    machine a poll catches it there)."""
+    return [
+        command
+        for command, first, last in seen.values()
+        if "python" in command and last - first >= WORKER_LIFETIME_S
+    ]
 
 
 def _dry_run(*overrides: str, cwd: Path) -> tuple[subprocess.CompletedProcess, list[str], float]:
@@ -73,9 +83,11 @@ def _dry_run(*overrides: str, cwd: Path) -> tuple[subprocess.CompletedProcess, l
         stderr=subprocess.PIPE,
         text=True,
     )
-    seen: dict[int, str] = {}
+    seen: dict[int, tuple[str, float, float]] = {}  # pid: command, first and last sighting
     while proc.poll() is None:
-        seen.update(_children(proc.pid))
+        now = time.perf_counter()
+        for pid, command in _children(proc.pid).items():
+            seen[pid] = (command, seen.get(pid, (command, now, now))[1], now)
         time.sleep(0.05)
     stdout, stderr = proc.communicate()
     wall = time.perf_counter() - start
