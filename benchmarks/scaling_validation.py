@@ -45,7 +45,8 @@ sys.path.insert(0, str(ROOT / "src"))
 from ddp_template.tools.netlab import Lab, parse_rate  # noqa: E402
 
 CGROUP = Path("/sys/fs/cgroup/cpu")
-PERIOD_US = 100_000
+DEFAULT_PERIOD_US = 100_000
+PERIOD_US = DEFAULT_PERIOD_US  # --cfs-period-us sets it
 HOOKS = ["none", "fp16", "powersgd"]
 BUCKETS = [1, 25, 100]
 PYTHON = sys.executable
@@ -335,6 +336,7 @@ def rows_of(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
                     {
                         "nodes": nodes,
                         "core_fraction": fraction_for(nodes, args.total_cores),
+                        "cfs_period_us": PERIOD_US,
                         "rate": rate,
                         "comm_hook": hook,
                         "bucket_cap_mb": bucket,
@@ -427,9 +429,23 @@ def main() -> int:
     parser.add_argument("--prefix", default="sv")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--full", action="store_true", help="every hook at every bucket size")
+    parser.add_argument(
+        "--cfs-period-us",
+        type=int,
+        default=DEFAULT_PERIOD_US,
+        help="the quota's period (1000-1000000): a throttled node waits up to "
+        "(1 - fraction) x period before it runs again, the one-node run alike",
+    )
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
     args.node_counts = [int(n) for n in args.nodes.split(",")]
+    if not 1000 <= args.cfs_period_us <= 1_000_000:
+        parser.error(
+            f"--cfs-period-us={args.cfs_period_us} is not valid: cgroup v1 takes 1000 to "
+            "1000000 us. Fix: e.g. --cfs-period-us 10000"
+        )
+    global PERIOD_US
+    PERIOD_US = args.cfs_period_us
     args.rate_list = [r for r in args.rates.split(",") if r]
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
