@@ -226,3 +226,22 @@ def test_comm_hook_runs_in_a_two_process_run(tmp_path: Path) -> None:
     assert out["peak_memory_mb_over_ranks"]["max_rank"] in (0, 1)
     assert out["data_wait_fraction_over_ranks"]["max"] == out["data_wait_fraction"]
     assert out["samples_per_sec_per_device"] == pytest.approx(out["samples_per_sec"] / 2)
+
+
+@pytest.mark.parametrize("period", ["999", "1000001"])
+def test_the_validations_quota_period_out_of_range_is_refused_before_anything_runs(
+    period: str, tmp_path: Path
+) -> None:
+    """`scaling_validation.py --cfs-period-us`: cgroup v1 takes 1000 to 1000000 us; outside
+    that the script stops in one paragraph before it makes a cgroup, a lab or a run."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "scaling_validation.py")]
+        + ["--nodes", "2", "--cfs-period-us", period, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert f"--cfs-period-us={period} is not valid: cgroup v1 takes 1000 to 1000000" in proc.stderr
+    assert not out.exists()
