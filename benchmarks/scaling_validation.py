@@ -46,7 +46,9 @@ from ddp_template.tools.netlab import Lab, parse_rate  # noqa: E402
 
 CGROUP = Path("/sys/fs/cgroup/cpu")
 DEFAULT_PERIOD_US = 100_000
-PERIOD_US = DEFAULT_PERIOD_US  # --cfs-period-us sets it
+# The quota period the runs in --out were measured with: their report and a later run into
+# the same folder (which keeps the runs already there) read it back.
+PERIOD_FILE = "cfs_period_us.txt"
 HOOKS = ["none", "fp16", "powersgd"]
 BUCKETS = [1, 25, 100]
 PYTHON = sys.executable
@@ -78,15 +80,15 @@ def train_args(args: argparse.Namespace, warmup: int, steps: int) -> list[str]:
 # --- cgroups: one per node under a parent that outweighs everything else -------------------
 
 
-def make_group(parent: str, name: str, fraction: float) -> Path:
+def make_group(parent: str, name: str, fraction: float, period_us: int) -> Path:
     top = CGROUP / parent
     top.mkdir(exist_ok=True)
     # Other processes sit in session autogroups of weight 1024 each: this parent wins.
     (top / "cpu.shares").write_text("262144")
     group = top / name
     group.mkdir(exist_ok=True)
-    (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-    (group / "cpu.cfs_quota_us").write_text(str(int(fraction * PERIOD_US)))
+    (group / "cpu.cfs_period_us").write_text(str(period_us))
+    (group / "cpu.cfs_quota_us").write_text(str(int(fraction * period_us)))
     return group
 
 
@@ -138,7 +140,7 @@ def one_node_run(args: argparse.Namespace, fraction: float, nodes: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     neighbours = []
     for index in range(1, nodes):
-        group = make_group(args.prefix, f"{args.prefix}-node{index}", fraction)
+        group = make_group(args.prefix, f"{args.prefix}-node{index}", fraction, args.cfs_period_us)
         command = [
             "taskset",
             "-c",
@@ -159,7 +161,7 @@ def one_node_run(args: argparse.Namespace, fraction: float, nodes: int) -> Path:
             )
         )
     try:
-        group = make_group(args.prefix, f"{args.prefix}-node0", fraction)
+        group = make_group(args.prefix, f"{args.prefix}-node0", fraction, args.cfs_period_us)
         command = [
             "taskset",
             "-c",
@@ -230,7 +232,9 @@ def lab_run(
     procs = []
     with contextlib.ExitStack() as logs:
         for node in lab.nodes:
-            group = make_group(args.prefix, f"{args.prefix}-node{node.index}", args.current)
+            group = make_group(
+                args.prefix, f"{args.prefix}-node{node.index}", args.current, args.cfs_period_us
+            )
             command = [
                 TORCHRUN,
                 f"--nnodes={nodes}",
@@ -318,6 +322,12 @@ def probe_line(path: Path) -> str:
     return next(x for x in path.read_text().splitlines() if x.startswith("hook compute"))
 
 
+def measured_period(out: Path) -> int:
+    """The period the runs in `out` used (folders measured before it was recorded: 100 ms)."""
+    recorded = out / PERIOD_FILE
+    return int(recorded.read_text()) if recorded.is_file() else DEFAULT_PERIOD_US
+
+
 def rows_of(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     rows, cases = [], []
     for nodes in args.node_counts:
@@ -336,7 +346,7 @@ def rows_of(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
                     {
                         "nodes": nodes,
                         "core_fraction": fraction_for(nodes, args.total_cores),
-                        "cfs_period_us": PERIOD_US,
+                        "cfs_period_us": measured_period(args.out),
                         "rate": rate,
                         "comm_hook": hook,
                         "bucket_cap_mb": bucket,
@@ -444,11 +454,19 @@ def main() -> int:
             f"--cfs-period-us={args.cfs_period_us} is not valid: cgroup v1 takes 1000 to "
             "1000000 us. Fix: e.g. --cfs-period-us 10000"
         )
-    global PERIOD_US
-    PERIOD_US = args.cfs_period_us
     args.rate_list = [r for r in args.rates.split(",") if r]
+    recorded = args.out / PERIOD_FILE
+    if not args.report_only and recorded.is_file():
+        before = int(recorded.read_text())
+        if before != args.cfs_period_us:
+            parser.error(
+                f"--cfs-period-us={args.cfs_period_us} is not valid for --out {args.out}: "
+                f"its runs were measured with {before} us, and they would be kept beside "
+                f"the new ones. Fix: give another --out, or --cfs-period-us {before}"
+            )
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
+        (args.out / PERIOD_FILE).write_text(str(args.cfs_period_us))
         try:
             measure(args)
         finally:

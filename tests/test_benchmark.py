@@ -245,3 +245,24 @@ def test_the_validations_quota_period_out_of_range_is_refused_before_anything_ru
     assert proc.returncode == 2, proc.stderr
     assert f"--cfs-period-us={period} is not valid: cgroup v1 takes 1000 to 1000000" in proc.stderr
     assert not out.exists()
+
+
+def test_the_validation_refuses_another_quota_period_into_a_folder_measured_with_one(
+    tmp_path: Path,
+) -> None:
+    """A run into an --out it measured before keeps the runs there: at another quota period
+    they would be reported as if measured alike, so it stops before measuring anything."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "cfs_period_us.txt").write_text("10000")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "scaling_validation.py")]
+        + ["--nodes", "2", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "--cfs-period-us=100000 is not valid for --out" in proc.stderr
+    assert "measured with 10000 us" in proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["cfs_period_us.txt"]
