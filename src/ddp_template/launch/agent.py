@@ -48,6 +48,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError, Rendezvous
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ddp_template.errors import TrainingStopped, UserFacingError, WorkerFailed
+from ddp_template.launch.leaving import leave_together
 from ddp_template.launch.world import started_by
 
 Worker = Callable[[dict[str, Any]], Any]
@@ -72,7 +73,8 @@ def record_failures(worker: Worker) -> Worker:
     """torch's `@record` (the failing rank's error and traceback go to its error file, for
     the agent's failure summary), except for a refusal under an external launcher: there
     the rank prints its one paragraph and exits with code 2, and torchrun's summary shows
-    that exit code; a recorded traceback would bury the paragraph."""
+    that exit code; a recorded traceback would bury the paragraph. The ranks of a job of
+    several nodes leave in the order that keeps it so (`leaving.leave_together`)."""
     recorded = record(worker)
 
     @functools.wraps(worker)
@@ -82,6 +84,7 @@ def record_failures(worker: Worker) -> Worker:
         try:
             return worker(config)
         except UserFacingError:
+            leave_together()
             raise
         except Exception as err:
             get_error_handler().record_exception(err)

@@ -52,6 +52,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from torch.distributed.constants import default_pg_timeout
 
 from ddp_template.errors import TrainingStopped, UserFacingError
+from ddp_template.launch.leaving import remember_job_store
 from ddp_template.launch.network import Endpoint, choose_endpoint, use_endpoint
 from ddp_template.worker.comm_hooks import CommHookDDPStrategy
 
@@ -110,6 +111,7 @@ def start_process_group(
     # no key of an earlier attempt is read. Not the restart count: a node restarted for
     # another node's failure counts no restart of its own.
     board = dist.PrefixStore("ddp_template/start/", store)
+    remember_job_store(board, rank, world_size)
     nodes = check_nodes(
         board,
         config,
@@ -305,6 +307,7 @@ def _refuse_for_the_job(refusal: UserFacingError, world_size: int, wait: timedel
     try:
         store, _, _ = next(dist.rendezvous("env://", 0, world_size, timeout=wait))
         board = dist.PrefixStore("ddp_template/start/", store)
+        remember_job_store(board, 0, world_size)
         # Node 0's entry, with no socket, releases the other leaders' wait for it at once.
         board.set("node/0", json.dumps({"node_rank": 0, "address": None, "probe_port": None}))
         board.set("verdict", f"Node 0 ({socket.gethostname()}) cannot start: {refusal}")
