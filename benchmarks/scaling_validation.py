@@ -134,7 +134,9 @@ def one_node_run(args: argparse.Namespace, fraction: float, nodes: int) -> Path:
     cluster each node has a machine of its own, and a one-node run there computes as fast as
     each node of the job)."""
     folder = args.out / f"one_node_{fraction}"
-    predicted = [args.out / f"predicted_{nodes}_{rate}.txt" for rate in args.rate_list]
+    # With --link-from lab the command runs later, against the lab it probes.
+    rates = args.rate_list if args.link_from == "rate" else []
+    predicted = [args.out / f"predicted_{nodes}_{rate}.txt" for rate in rates]
     if (folder / "results.json").is_file() and all(p.is_file() for p in predicted):
         return folder
     folder.mkdir(parents=True, exist_ok=True)
@@ -177,7 +179,7 @@ def one_node_run(args: argparse.Namespace, fraction: float, nodes: int) -> Path:
         if run.returncode:
             raise RuntimeError(f"the one-node run failed: see {folder}/node0.log")
         # The command users run next, on the same core, quota and neighbours.
-        for rate in args.rate_list:
+        for rate in rates:
             predict_with_the_command(args, folder, nodes, rate, group)
     finally:
         for proc in neighbours:
@@ -196,7 +198,12 @@ def core_of(index: int) -> int:
 def predict_with_the_command(
     args: argparse.Namespace, one_node: Path, nodes: int, rate: str, group: Path
 ) -> Path:
+    """`--link <rate>`, or with --link-from lab `--link lab` (the running lab at that rate,
+    probed by an all-reduce over all its nodes, each under its quota)."""
     out = args.out / f"predicted_{nodes}_{rate}.txt"
+    if out.is_file():
+        return out
+    link = ["--link", rate] if args.link_from == "rate" else ["--link", "lab", "--lab", args.prefix]
     command = [
         "taskset",
         "-c",
@@ -207,8 +214,7 @@ def predict_with_the_command(
         str(one_node),
         "--nodes",
         str(nodes),
-        "--link",
-        rate,
+        *link,
         "--hooks",
         ",".join(HOOKS),
         "--buckets",
@@ -249,9 +255,11 @@ def lab_run(
             log = logs.enter_context((folder / f"node{node.index}.log").open("w"))
             # Into the cgroup before the namespace: `ip netns exec` mounts a /sys of its own,
             # without the cgroup file systems; the children inherit the group.
+            # With --link-from lab each node is in the lab's own quota (lab.command joins it).
+            on_node = lab.command(node.index, command)
             procs.append(
                 subprocess.Popen(
-                    in_group(group, lab.command(node.index, command)),
+                    on_node if args.link_from == "lab" else in_group(group, on_node),
                     stdout=log,
                     stderr=log,
                     cwd=ROOT,
@@ -274,12 +282,18 @@ def measure(args: argparse.Namespace) -> None:
     for nodes in args.node_counts:
         fraction = args.current = fraction_for(nodes, args.total_cores)
         wait_for_memory(2000 * nodes + 2000)
-        one_node_run(args, fraction, nodes)
+        one_node = one_node_run(args, fraction, nodes)
         wait_for_memory(2000 * nodes + 2000)
-        lab = Lab.up(nodes=nodes, rate=args.rate_list[0], prefix=args.prefix)
+        quota = fraction if args.link_from == "lab" else None
+        lab = Lab.up(nodes=nodes, rate=args.rate_list[0], prefix=args.prefix, cpu_fraction=quota)
         try:
             for rate in args.rate_list:
                 lab.set_rate(parse_rate(rate))
+                if args.link_from == "lab":
+                    group = make_group(
+                        args.prefix, f"{args.prefix}-node0", fraction, args.cfs_period_us
+                    )
+                    predict_with_the_command(args, one_node, nodes, rate, group)
                 for hook, bucket in grid(args.full):
                     port += 1
                     folder = args.out / f"{nodes}nodes_{rate}" / f"{hook}_{bucket}"
@@ -423,21 +437,25 @@ def write(args: argparse.Namespace, rows: list[dict], cases: list[dict]) -> None
     print("\n".join(lines))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nodes", default="2,4,8")
+def add_run_arguments(parser: argparse.ArgumentParser, nodes: str, name: str, prefix: str) -> None:
+    """What this script and the others that share its lab and quotas take alike."""
+    parser.add_argument("--nodes", default=nodes)
     parser.add_argument("--rates", default="200mbit,1gbit")
     parser.add_argument("--total-cores", type=float, default=1.6, help="shared out among nodes")
-    parser.add_argument(
-        "--out", type=Path, default=ROOT / "benchmarks" / "results" / "scaling_validation"
-    )
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / name)
     parser.add_argument("--image-size", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--one-node-steps", type=int, default=8)
-    parser.add_argument("--prefix", default="sv")
+    parser.add_argument("--prefix", default=prefix, help="of the lab's nodes and cgroups")
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--report-only", action="store_true")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_arguments(parser, "2,4,8", "scaling_validation", "sv")
     parser.add_argument("--full", action="store_true", help="every hook at every bucket size")
     parser.add_argument(
         "--cfs-period-us",
@@ -446,7 +464,14 @@ def main() -> int:
         help="the quota's period (1000-1000000): a throttled node waits up to "
         "(1 - fraction) x period before it runs again, the one-node run alike",
     )
-    parser.add_argument("--report-only", action="store_true")
+    parser.add_argument(
+        "--link-from",
+        choices=["rate", "lab"],
+        default="rate",
+        help="what the command is told of the link: the rate (--link 200mbit), or the lab "
+        "itself (--link lab: an all-reduce probe over all its nodes, each in the lab's own "
+        "quota of the same fraction, under which the lab's jobs then run too)",
+    )
     args = parser.parse_args()
     args.node_counts = [int(n) for n in args.nodes.split(",")]
     if not 1000 <= args.cfs_period_us <= 1_000_000:

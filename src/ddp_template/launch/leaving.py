@@ -38,7 +38,8 @@ def leave_together(wait_s: float = WAIT_S, linger_s: float = LINGER_S) -> None:
     """Called on the way out of a refusal: rank 0 waits for every other rank's exit mark,
     each other rank marks its exit at interpreter exit. Does nothing for a job without a
     remembered store (one node, or a refusal before the store)."""
-    store, rank, world_size = _JOB.get("store"), _JOB.get("rank"), _JOB.get("world_size", 1)
+    store = _JOB.get("store")
+    rank, world_size = int(_JOB.get("rank", 0)), int(_JOB.get("world_size", 1))
     if store is None or world_size < 2:
         return
     if rank != 0:
