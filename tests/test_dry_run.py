@@ -294,6 +294,8 @@ def test_fsdp_is_planned_as_shards_gathered_units_and_ring_collectives(
     traffic = planned["bytes_per_step"]
     ring = (world - 1) / world
     sent = {k: c["sent_per_rank"] for k, c in traffic["collectives"].items()}
+    # Planned for GPUs: NCCL's ring reduce-scatter (gloo's is an all-reduce: test_scaling).
+    assert traffic["backend"] == "nccl"
     assert sent["forward_all_gather"] == sent["reduce_scatter"] == int(ring * 4 * sum(elements))
     # Resharded after the forward, the Linear units are gathered again for the backward;
     # the root (the batch norms' weights here) stays gathered.

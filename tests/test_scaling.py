@@ -215,3 +215,22 @@ def test_the_fsdp_model_adds_no_communication_on_one_rank_and_more_on_a_slower_l
     assert slow.exposed_comm_s >= wire - 0.3
     kept = predict_sharded(run, 8, Link.rated(1e9), units, False)
     assert kept.exposed_comm_s < slow.exposed_comm_s  # no all-gather in the backward
+
+
+def test_the_fsdp_reduce_scatter_on_gloo_costs_an_all_reduce_of_the_unit() -> None:
+    """ProcessGroupGloo reduce-scatters by an all-reduce of the whole unit (measured on
+    the lab: as long as the all-reduce of the same tensor); NCCL by a ring of half that."""
+    from ddp_template.tools.scaling import Link, predict_sharded
+
+    units = [{"name": "root", "bytes": 0}, {"name": "Block", "bytes": 64 << 20}]
+    link = Link.rated(1e9, latency_s=0.0)
+    # Almost no compute and no all-gather in the backward: the collectives are the step.
+    gloo, nccl = (
+        predict_sharded(
+            _run(forward_s=1e-6, backward_s=1e-6, shapes=[], backend=backend), 8, link, units, False
+        )
+        for backend in ("gloo", "nccl")
+    )
+    unit_time = (64 << 20) * 8 / 1e9
+    assert nccl.exposed_comm_s == pytest.approx(2 * 7 / 8 * unit_time, rel=1e-3)
+    assert gloo.exposed_comm_s == pytest.approx(3 * 7 / 8 * unit_time, rel=1e-3)

@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddp_template.config.dry_run_model import (
     PARAMETER_DTYPE,
     TrainingStep,
+    planned_backend,
     tensor_bytes,
     timed_steps,
 )
@@ -422,7 +423,7 @@ def predicted_step(cfg: DictConfig, plan: dict[str, Any]) -> dict[str, Any]:
             bucket_cap_mb=cfg.strategy.get("bucket_cap_mb"),
             threads=torch.get_num_threads(),
             powersgd_rank=int(cfg.strategy.get("powersgd_rank") or 1),
-            backend="nccl" if cfg.accelerator == "cuda" else "gloo",
+            backend=planned_backend(cfg),
         )
         compute_from = "this machine's CPU, one step of rank 0 (not the planned machines)"
     link = Link.rated(rate, latency_s)

@@ -31,6 +31,15 @@ class TrainingStep(torch.nn.Module):
         return out["loss"] if isinstance(out, dict) else out
 
 
+def planned_backend(cfg: Any) -> str:
+    """The process group's backend of the planned run, as Lightning would pick it: the
+    configured one, else NCCL on GPUs and gloo on CPUs."""
+    configured = cfg.strategy.get("process_group_backend")
+    if configured:
+        return str(configured)
+    return "nccl" if str(cfg.accelerator) in ("gpu", "cuda") else "gloo"
+
+
 def whole_size(tensor: torch.Tensor) -> int:
     """A tensor's bytes; a sharded one's (a DTensor) over all ranks."""
     return tensor.numel() * tensor.element_size()

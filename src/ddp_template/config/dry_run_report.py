@@ -105,7 +105,14 @@ def _sharded_rows(plan: dict[str, Any]) -> list[tuple[str, str]]:
         (
             "bytes per step",
             f"{size(traffic['sent_per_rank'])} sent per rank: {collectives} "
-            f"(ring: {traffic['ring_factor']:.4f} x the gathered bytes); DDP's all-reduce of "
+            f"(ring: {traffic['ring_factor']:.4f} x the gathered bytes"
+            + (
+                f"; {traffic['backend']} reduce-scatters as an all-reduce: "
+                f"{traffic['reduce_scatter_factor']:.4f} x"
+                if traffic["reduce_scatter_factor"] != traffic["ring_factor"]
+                else ""
+            )
+            + "); DDP's all-reduce of "
             f"the same gradients: {size(traffic['ddp_sent_per_rank'])}",
         ),
     ]

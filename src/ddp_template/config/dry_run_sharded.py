@@ -23,6 +23,7 @@ from torch import nn
 from ddp_template.config.dry_run_model import (
     PARAMETER_DTYPE,
     TrainingStep,
+    planned_backend,
     tensor_bytes,
     timed_steps,
 )
@@ -86,7 +87,9 @@ def sharded_model_figures(cfg: DictConfig, module: Any, batch: Any, world: int) 
             "units": units,
             "unsharded_parameter_bytes": sum(u["bytes"] for u in units),
         },
-        "bytes_per_step": sharded_traffic(units, world, options.reshard_after_forward),
+        "bytes_per_step": sharded_traffic(
+            units, world, options.reshard_after_forward, planned_backend(cfg)
+        ),
         "memory_per_rank": memory,
         # The whole model and optimizer state over all ranks (a DTensor's size is global).
         "checkpoint_bytes": tensor_bytes(module.state_dict()) + tensor_bytes(optimizer.state),
@@ -103,9 +106,12 @@ def gathered_peak(units: list[dict[str, Any]], reshard_after_forward: bool) -> i
 
 
 def sharded_traffic(
-    units: list[dict[str, Any]], world: int, reshard_after_forward: bool
+    units: list[dict[str, Any]], world: int, reshard_after_forward: bool, backend: str
 ) -> dict[str, Any]:
-    """Bytes each rank sends per optimizer step and the collectives behind them."""
+    """Bytes each rank sends per optimizer step and the collectives behind them (on gloo
+    the reduce-scatter is an all-reduce of the whole unit: `reduce_scatter_factor`)."""
+    from ddp_template.tools.scaling import reduce_scatter_factor
+
     ring = (world - 1) / world
     everything = sum(u["bytes"] for u in units)
     regathered = sum(u["bytes"] for u in units[1:]) if reshard_after_forward else 0
@@ -116,11 +122,14 @@ def sharded_traffic(
         "backward_all_gather": {"bytes": regathered, "count": resharded},
         "reduce_scatter": {"bytes": everything, "count": holding},
     }
-    for figures in collectives.values():
-        figures["sent_per_rank"] = int(ring * figures["bytes"])
+    for name, figures in collectives.items():
+        factor = reduce_scatter_factor(backend, world) if name == "reduce_scatter" else ring
+        figures["sent_per_rank"] = int(factor * figures["bytes"])
     return {
         "configured_hook": "none",
+        "backend": backend,
         "ring_factor": ring,
+        "reduce_scatter_factor": reduce_scatter_factor(backend, world),
         "collectives": collectives,
         "sent_per_rank": sum(f["sent_per_rank"] for f in collectives.values()),
         # What DDP's ring all-reduce of the same gradients would send, for comparison.
