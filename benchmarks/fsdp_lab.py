@@ -18,8 +18,8 @@ quotas of benchmarks/scaling_validation.py, which this reuses), and in order:
 No figure from the N-node jobs goes into a prediction. Prints measured and predicted step
 per strategy and rate, and fsdp's step over ddp's; writes fsdp_lab.csv/.md into --out.
 
-    .venv/bin/python benchmarks/fsdp_lab.py --nodes 2          # as root, about 12 min here
-    .venv/bin/python benchmarks/fsdp_lab.py --nodes 2 --report-only
+    .venv/bin/python benchmarks/fsdp_lab.py --nodes 2 --out /tmp/fl   # as root, about 4 min here
+    .venv/bin/python benchmarks/fsdp_lab.py --nodes 2 --out /tmp/fl --report-only
 """
 
 from __future__ import annotations
