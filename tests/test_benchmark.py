@@ -266,3 +266,35 @@ def test_the_validation_refuses_another_quota_period_into_a_folder_measured_with
     assert "--cfs-period-us=100000 is not valid for --out" in proc.stderr
     assert "measured with 10000 us" in proc.stderr
     assert sorted(p.name for p in out.iterdir()) == ["cfs_period_us.txt"]
+
+
+def test_the_fsdp_lab_report_sets_each_strategy_beside_its_prediction_and_ddp(
+    tmp_path: Path,
+) -> None:
+    """`fsdp_lab.py --report-only`: from the folders a measurement leaves, each strategy's
+    measured step beside its prediction (DDP's from the scaling command's `none` at 25 MiB,
+    FSDP's from the dry run) and beside DDP's step."""
+    out = tmp_path / "out"
+    (out / "dry_run_2_200mbit").mkdir(parents=True)
+    (out / "predicted_2_200mbit.txt").write_text(
+        "nodes=2 hook=none bucket_cap_mb=1 compute 0.5 s predicted step time: 1.800 s\n"
+        "nodes=2 hook=none bucket_cap_mb=25 compute 0.5 s predicted step time: 2.200 s\n"
+    )
+    plan = {"prediction": {"per_hook": {"fsdp": {"step_s": 3.0}}}}
+    (out / "dry_run_2_200mbit" / "dry_run.json").write_text(json.dumps(plan))
+    for strategy, step in (("ddp", 2.0), ("fsdp", 4.0)):
+        folder = out / "2nodes_200mbit" / strategy
+        folder.mkdir(parents=True)
+        record = {"world_size": 2, "step_time_median_s": step}
+        (folder / "results.json").write_text(json.dumps(record))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "fsdp_lab.py")]
+        + ["--nodes", "2", "--rates", "200mbit", "--out", str(out), "--report-only"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "| 2 x 0.8 | 200mbit | ddp | 2.000 | 2.200 | +10.0% | 1.00 | 1.00 |" in proc.stdout
+    assert "| 2 x 0.8 | 200mbit | fsdp | 4.000 | 3.000 | -25.0% | 2.00 | 1.36 |" in proc.stdout
+    assert (out / "fsdp_lab.md").read_text().strip() == proc.stdout.strip()
