@@ -1,6 +1,8 @@
 """What each collective FSDP and DDP use costs on gloo between lab nodes: an all-reduce of a
 tensor, an all-gather into a tensor of the same size and a reduce-scatter from one, side
-by side at each link rate (the median of 3 after one warm-up, rank 0's clock).
+by side at each link rate (the median of 3 after one warm-up, rank 0's clock), and the CPU
+time rank 0's process spends on one all-reduce (its user and system time, gloo's threads
+included; not the kernel's receive work done on other processes' time).
 
 The ring all-reduce sends 2 (W - 1) / W of the bytes per rank, a ring all-gather or
 reduce-scatter (W - 1) / W: the printout shows whether gloo's run as the ring would.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import subprocess
 import sys
 import time
@@ -42,7 +45,14 @@ def on_a_node(rank: int, world: int, master: str, megabytes: float) -> None:
             times.append(time.perf_counter() - start)
         return sorted(times)[1]
 
+    # The CPU time the node's process (gloo's threads included) spends on one all-reduce:
+    # on a node with a fraction of a core, this work competes with the training's.
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    dist.all_reduce(full)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     measured = {
+        "all_reduce_cpu_s": cpu_s,
         "all_reduce_s": median_s(lambda: dist.all_reduce(full)),
         "all_gather_s": median_s(lambda: dist.all_gather_into_tensor(full, shard)),
         "reduce_scatter_s": median_s(lambda: dist.reduce_scatter_tensor(shard, full)),
@@ -66,8 +76,11 @@ def main() -> int:
         return 0
     from ddp_template.tools.netlab import Lab, parse_rate
 
-    print("| nodes | link | all-reduce s | all-gather s | reduce-scatter s | ring's all-gather s |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| nodes | link | all-reduce s | all-gather s | reduce-scatter s | ring's all-gather s "
+        "| CPU s of rank 0 per all-reduce |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for nodes in (int(n) for n in args.nodes.split(",")):
         lab = Lab.up(nodes=nodes, rate=args.rates.split(",")[0], prefix=args.prefix)
         try:
@@ -91,7 +104,7 @@ def main() -> int:
                 ring = (nodes - 1) / nodes * args.megabytes * 2**20 * 8 / parse_rate(rate)
                 print(
                     f"| {nodes} | {rate} | {m['all_reduce_s']:.3f} | {m['all_gather_s']:.3f} | "
-                    f"{m['reduce_scatter_s']:.3f} | {ring:.3f} |",
+                    f"{m['reduce_scatter_s']:.3f} | {ring:.3f} | {m['all_reduce_cpu_s']:.3f} |",
                     flush=True,
                 )
         finally:
