@@ -228,6 +228,16 @@ def test_comm_hook_runs_in_a_two_process_run(tmp_path: Path) -> None:
     assert out["samples_per_sec_per_device"] == pytest.approx(out["samples_per_sec"] / 2)
 
 
+def run_script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """A script of benchmarks/ in its report or refusal paths (no lab, no training)."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 @pytest.mark.parametrize("period", ["999", "1000001"])
 def test_the_validations_quota_period_out_of_range_is_refused_before_anything_runs(
     period: str, tmp_path: Path
@@ -235,12 +245,8 @@ def test_the_validations_quota_period_out_of_range_is_refused_before_anything_ru
     """`scaling_validation.py --cfs-period-us`: cgroup v1 takes 1000 to 1000000 us; outside
     that the script stops in one paragraph before it makes a cgroup, a lab or a run."""
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "scaling_validation.py")]
-        + ["--nodes", "2", "--cfs-period-us", period, "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = run_script(
+        "scaling_validation.py", "--nodes", "2", "--cfs-period-us", period, "--out", str(out)
     )
     assert proc.returncode == 2, proc.stderr
     assert f"--cfs-period-us={period} is not valid: cgroup v1 takes 1000 to 1000000" in proc.stderr
@@ -255,13 +261,7 @@ def test_the_validation_refuses_another_quota_period_into_a_folder_measured_with
     out = tmp_path / "out"
     out.mkdir()
     (out / "cfs_period_us.txt").write_text("10000")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "scaling_validation.py")]
-        + ["--nodes", "2", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_script("scaling_validation.py", "--nodes", "2", "--out", str(out))
     assert proc.returncode == 2, proc.stderr
     assert "--cfs-period-us=100000 is not valid for --out" in proc.stderr
     assert "measured with 10000 us" in proc.stderr
@@ -287,12 +287,8 @@ def test_the_fsdp_lab_report_sets_each_strategy_beside_its_prediction_and_ddp(
         folder.mkdir(parents=True)
         record = {"world_size": 2, "step_time_median_s": step}
         (folder / "results.json").write_text(json.dumps(record))
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "fsdp_lab.py")]
-        + ["--nodes", "2", "--rates", "200mbit", "--out", str(out), "--report-only"],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = run_script(
+        "fsdp_lab.py", "--nodes", "2", "--rates", "200mbit", "--out", str(out), "--report-only"
     )
     assert proc.returncode == 0, proc.stderr
     assert "| 2 x 0.8 | 200mbit | ddp | 2.000 | 2.200 | +10.0% | 1.00 | 1.00 |" in proc.stdout
