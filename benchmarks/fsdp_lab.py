@@ -54,11 +54,16 @@ def train_args(args: argparse.Namespace, strategy: str, warmup: int, steps: int)
     return [*common, *strategy_args(strategy)]
 
 
-def predict_fsdp(args: argparse.Namespace, one_node: Path, nodes: int, rate: str) -> float:
+def fsdp_prediction(out: Path, nodes: int, rate: str) -> float:
+    """FSDP's predicted step, from the dry run's record."""
+    plan = json.loads((out / f"dry_run_{nodes}_{rate}" / "dry_run.json").read_text())
+    return float(plan["prediction"]["per_hook"]["fsdp"]["step_s"])
+
+
+def predict_fsdp(args: argparse.Namespace, one_node: Path, nodes: int, rate: str) -> None:
     """FSDP's predicted step through the dry run, fed the one-node run's compute."""
     folder = args.out / f"dry_run_{nodes}_{rate}"
-    record = folder / "dry_run.json"
-    if not record.is_file():
+    if not (folder / "dry_run.json").is_file():
         group = sv.make_group(args.prefix, f"{args.prefix}-node0", args.current, args.cfs_period_us)
         command = [
             "taskset",
@@ -79,8 +84,6 @@ def predict_fsdp(args: argparse.Namespace, one_node: Path, nodes: int, rate: str
         if done.returncode:
             raise RuntimeError(f"the dry run failed: {done.stderr[-3000:]}")
         (args.out / f"dry_run_{nodes}_{rate}.txt").write_text(done.stdout)
-    plan = json.loads(record.read_text())
-    return float(plan["prediction"]["per_hook"]["fsdp"]["step_s"])
 
 
 def measure(args: argparse.Namespace) -> None:
@@ -116,12 +119,9 @@ def rows_of(args: argparse.Namespace) -> list[dict]:
     for nodes in args.node_counts:
         for rate in args.rate_list:
             ddp_predicted = sv.predictions(args.out / f"predicted_{nodes}_{rate}.txt")
-            fsdp_plan = json.loads(
-                (args.out / f"dry_run_{nodes}_{rate}" / "dry_run.json").read_text()
-            )
             predicted = {
                 "ddp": ddp_predicted[("none", 25)],
-                "fsdp": float(fsdp_plan["prediction"]["per_hook"]["fsdp"]["step_s"]),
+                "fsdp": fsdp_prediction(args.out, nodes, rate),
             }
             measured = {}
             for strategy in ("ddp", "fsdp"):
@@ -135,7 +135,7 @@ def rows_of(args: argparse.Namespace) -> list[dict]:
                 rows.append(
                     {
                         "nodes": nodes,
-                        "core_fraction": args.current_of(nodes),
+                        "core_fraction": sv.fraction_for(nodes, args.total_cores),
                         "rate": rate,
                         "strategy": strategy,
                         "measured_step_s": round(step, 4),
@@ -178,7 +178,6 @@ def main() -> int:
     args.rate_list = [r for r in args.rates.split(",") if r]
     args.cfs_period_us = sv.DEFAULT_PERIOD_US
     args.link_from = "rate"
-    args.current_of = lambda nodes: sv.fraction_for(nodes, args.total_cores)
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         try:

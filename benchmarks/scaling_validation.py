@@ -238,9 +238,6 @@ def lab_run(
     procs = []
     with contextlib.ExitStack() as logs:
         for node in lab.nodes:
-            group = make_group(
-                args.prefix, f"{args.prefix}-node{node.index}", args.current, args.cfs_period_us
-            )
             command = [
                 TORCHRUN,
                 f"--nnodes={nodes}",
@@ -254,12 +251,17 @@ def lab_run(
             ]
             log = logs.enter_context((folder / f"node{node.index}.log").open("w"))
             # Into the cgroup before the namespace: `ip netns exec` mounts a /sys of its own,
-            # without the cgroup file systems; the children inherit the group.
-            # With --link-from lab each node is in the lab's own quota (lab.command joins it).
+            # without the cgroup file systems; the children inherit the group. With
+            # --link-from lab each node is in the lab's own quota (lab.command joins it).
             on_node = lab.command(node.index, command)
+            if args.link_from == "rate":
+                name = f"{args.prefix}-node{node.index}"
+                on_node = in_group(
+                    make_group(args.prefix, name, args.current, args.cfs_period_us), on_node
+                )
             procs.append(
                 subprocess.Popen(
-                    on_node if args.link_from == "lab" else in_group(group, on_node),
+                    on_node,
                     stdout=log,
                     stderr=log,
                     cwd=ROOT,

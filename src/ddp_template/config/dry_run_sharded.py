@@ -112,7 +112,7 @@ def sharded_traffic(
     the reduce-scatter is an all-reduce of the whole unit: `reduce_scatter_factor`)."""
     from ddp_template.tools.scaling import reduce_scatter_factor
 
-    ring = (world - 1) / world
+    ring, scatter = (world - 1) / world, reduce_scatter_factor(backend, world)
     everything = sum(u["bytes"] for u in units)
     regathered = sum(u["bytes"] for u in units[1:]) if reshard_after_forward else 0
     holding = sum(1 for u in units if u["bytes"])
@@ -123,13 +123,13 @@ def sharded_traffic(
         "reduce_scatter": {"bytes": everything, "count": holding},
     }
     for name, figures in collectives.items():
-        factor = reduce_scatter_factor(backend, world) if name == "reduce_scatter" else ring
+        factor = scatter if name == "reduce_scatter" else ring
         figures["sent_per_rank"] = int(factor * figures["bytes"])
     return {
         "configured_hook": "none",
         "backend": backend,
         "ring_factor": ring,
-        "reduce_scatter_factor": reduce_scatter_factor(backend, world),
+        "reduce_scatter_factor": scatter,
         "collectives": collectives,
         "sent_per_rank": sum(f["sent_per_rank"] for f in collectives.values()),
         # What DDP's ring all-reduce of the same gradients would send, for comparison.

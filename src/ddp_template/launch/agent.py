@@ -73,21 +73,25 @@ def record_failures(worker: Worker) -> Worker:
     """torch's `@record` (the failing rank's error and traceback go to its error file, for
     the agent's failure summary), except for a refusal under an external launcher: there
     the rank prints its one paragraph and exits with code 2, and torchrun's summary shows
-    that exit code; a recorded traceback would bury the paragraph. The ranks of a job of
-    several nodes leave in the order that keeps it so (`leaving.leave_together`)."""
+    that exit code; a recorded traceback would bury the paragraph. Under any launcher the
+    ranks of a job of several nodes leave a refusal in the order that keeps each rank's
+    paragraph and exit code visible (`leaving.leave_together`)."""
     recorded = record(worker)
 
     @functools.wraps(worker)
     def wrapper(config: dict[str, Any]) -> Any:
-        if _OWN_WORKER or not processes_started_externally():
-            return recorded(config)
         try:
-            return worker(config)
+            if _OWN_WORKER or not processes_started_externally():
+                return recorded(config)
+            try:
+                return worker(config)
+            except UserFacingError:
+                raise
+            except Exception as err:
+                get_error_handler().record_exception(err)
+                raise
         except UserFacingError:
             leave_together()
-            raise
-        except Exception as err:
-            get_error_handler().record_exception(err)
             raise
 
     return wrapper

@@ -188,7 +188,8 @@ def check_nodes(
         if listener is not None:
             listener.close()
     if verdict:
-        _all_have_read(board, rank, world_size)
+        # Every rank raises; rank 0, whose node may host the store, leaves last
+        # (launch/leaving.py), so that each prints the cause, not a lost store.
         raise NodesDisagree(verdict)
     return nodes
 
@@ -301,9 +302,9 @@ def _rendezvous_store(rank, world_size, wait, endpoint: Endpoint, address: str, 
 
 def _refuse_for_the_job(refusal: UserFacingError, world_size: int, wait: timedelta) -> None:
     """Rank 0 refused its own settings (its interface, say) before the check: it tells the
-    job on the store, as the check's verdict, and waits until every rank has read it. Left
-    to the closed store, another node's launcher could end its worker before that worker
-    said why (torchrun's agent raises on the lost store)."""
+    job on the store, as the check's verdict, and leaves after every rank (launch/leaving.py).
+    Left to the closed store, another node's launcher could end its worker before that
+    worker said why (torchrun's agent raises on the lost store)."""
     try:
         store, _, _ = next(dist.rendezvous("env://", 0, world_size, timeout=wait))
         board = dist.PrefixStore("ddp_template/start/", store)
@@ -311,7 +312,6 @@ def _refuse_for_the_job(refusal: UserFacingError, world_size: int, wait: timedel
         # Node 0's entry, with no socket, releases the other leaders' wait for it at once.
         board.set("node/0", json.dumps({"node_rank": 0, "address": None, "probe_port": None}))
         board.set("verdict", f"Node 0 ({socket.gethostname()}) cannot start: {refusal}")
-        _all_have_read(board, 0, world_size)
     except Exception:
         pass  # the refusal is still raised on this rank; the others see a closed store
 
@@ -380,20 +380,6 @@ def _probe_peers(peers: dict[int, Any], node_rank: int) -> list[dict]:
         except OSError as err:
             failures.append({"node": target, "address": peer["address"], "error": _first_line(err)})
     return failures
-
-
-def _all_have_read(board: Any, rank: int, world_size: int) -> None:
-    """Before a refusal ends this rank: rank 0 (whose node may host the store) waits until
-    every rank has read the verdict, so that each prints the cause, not a lost store."""
-    try:
-        board.set(f"read/{rank}", "1")
-        if rank == 0:
-            board.wait(
-                [f"read/{r}" for r in range(world_size)],
-                timedelta(seconds=10 + START_WAIT_PER_RANK_S * world_size),
-            )
-    except Exception:
-        pass
 
 
 def _judge(nodes: list[dict[str, Any]], reach: dict[int, list[dict]]) -> str:
