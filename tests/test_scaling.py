@@ -17,7 +17,9 @@ from ddp_template.errors import ConfigError
 from ddp_template.tools.scaling import (
     Link,
     MeasuredRun,
+    Transfer,
     buckets,
+    overlapped_backward,
     parse_buckets,
     parse_nodes,
     predict,
@@ -94,6 +96,81 @@ def test_the_ring_costs_what_the_formula_says() -> None:
     p = predict(run, 4, "none", link, 0.0, 100)
     wire = 2 * 3 / 4 * 1024 * 1024 * 4 * 8 / 1e9
     assert p.exposed_comm_s == pytest.approx(wire)
+
+
+def test_the_overlapped_schedule_without_contention_is_the_plain_one() -> None:
+    """A rated link (busy = alone, the compute keeps its speed): bucket k ends at
+    max(ready_k, end of k - 1) + t_k, and the backward's compute is not slowed."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        count = int(torch.randint(1, 8, (1,), generator=generator))
+        ready = sorted(torch.rand(count, generator=generator).tolist())
+        seconds = (torch.rand(count, generator=generator) * 0.5).tolist()
+        end = 0.0
+        for r, t in zip(ready, seconds, strict=True):
+            end = max(end, r) + t
+        transfers = [Transfer(r, t, t) for r, t in zip(ready, seconds, strict=True)]
+        assert overlapped_backward(1.0, transfers, 1.0) == pytest.approx(max(end, 1.0))
+
+
+def test_a_transfer_that_takes_the_cores_slows_the_compute_it_overlaps() -> None:
+    """One bucket ready at once, 1 s on the wire, 1 s of backward: with half the compute's
+    speed left while it is sent, the compute has done 0.5 s when it ends and 0.5 s more
+    after (1.5 s); a transfer slower while the node computes ends later; with no speed
+    left (the node's fraction of a core taken by gloo) the two run one after the other."""
+    assert overlapped_backward(1.0, [Transfer(0.0, 1.0, 1.0)], 0.5) == pytest.approx(1.5)
+    assert overlapped_backward(1.0, [Transfer(0.0, 1.0, 2.0)], 1.0) == pytest.approx(2.0)
+    assert overlapped_backward(1.0, [Transfer(0.0, 1.0, 1.0)], 0.0) == pytest.approx(2.0)
+    # Sent after the backward, nothing contends: the busy speed does not apply.
+    assert overlapped_backward(1.0, [Transfer(1.0, 1.0, 5.0)], 0.0) == pytest.approx(2.0)
+
+
+def test_a_probed_link_under_compute_predicts_the_step_that_contention_costs() -> None:
+    """The lab's probe measured the link while the nodes computed: a slower all-reduce and
+    less compute speed then give a longer step than the same link alone, and the report's
+    link line says what was measured."""
+    alone = {"latency_s": 1e-3, "bandwidth_bps": {"float32": 2e8, "float16": 2e8, "bfloat16": 2e8}}
+    busy = {
+        **alone,
+        "under_compute": {"latency_s": 4e-3, "bandwidth_bps": 1e8, "compute_share": 0.5},
+    }
+    quiet, contended = Link.probed(alone), Link.probed(busy)
+    assert contended.busy_bandwidth_bps == {"float32": 1e8, "float16": 1e8, "bfloat16": 1e8}
+    run = _run(shapes=[[1024, 1024]] * 8)
+    for hook in ("none", "fp16"):
+        assert (
+            predict(run, 8, hook, contended, 0.0, 1).step_s
+            > predict(run, 8, hook, quiet, 0.0, 1).step_s
+        )
+    assert "while computing float32 100mbit, 4000 us per hop, 50% of the compute" in (
+        contended.describe()
+    )
+
+
+@pytest.mark.slow
+def test_the_all_reduce_probe_measures_the_link_while_the_ranks_compute(tmp_path: Path) -> None:
+    """Two real gloo processes on loopback: the probe's line carries the contended figures,
+    each in range."""
+    from helpers.runs import free_port, subprocess_env
+
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ddp_template.tools.allreduce_probe", "--rank", str(rank)]
+            + ["--world", "2", "--master", f"127.0.0.1:{port}", "--megabytes", "2"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=subprocess_env(),
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    busy = json.loads(outputs[0].strip().splitlines()[-1])["under_compute"]
+    assert 0 < busy["compute_share"] <= 1
+    assert busy["bandwidth_bps"] > 0 and busy["latency_s"] > 0
+    link = Link.probed(json.loads(outputs[0].strip().splitlines()[-1]))
+    assert link.compute_share == busy["compute_share"]
 
 
 @pytest.mark.parametrize("bad", ["0", "2,0", "x", "", "-4"])

@@ -10,17 +10,30 @@ TCP stack's and gloo's cost on the node's cores, and gloo's summation of half-wi
 numbers on the CPU. Each figure is the median of several readings, which are kept beside it
 (`latency_readings_s`, `bandwidth_readings_bps`): `ddp_template.tools.netlab`'s
 `Lab.allreduce_probe` runs it on every node and warns when they disagree.
+
+`under_compute` measures the same all-reduces again while every rank computes (a loop of
+matrix products on its main thread, as the backward computes while DDP's buckets are on
+the wire): the latency and float32 bandwidth then, and the share of the compute's speed
+left to it. On a node with cores to spare both stay as they were; on a node with a
+fraction of a core gloo's threads and the compute take turns on it, and the scaling model
+(`ddp_template.tools.scaling`) runs its overlapped schedule at those speeds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
+import threading
 import time
 from datetime import timedelta
 
 DTYPES = ("float32", "float16", "bfloat16")
+# Each contended reading spans this long: many periods (100 ms) of a cgroup's cpu quota.
+CONTENDED_S = 2.0
+# The compute of the contended readings: a matrix product of this side, one thread.
+COMPUTE_SIDE = 256
 
 
 def measure(megabytes: float, repeats: int) -> dict[str, object]:
@@ -52,7 +65,79 @@ def measure(megabytes: float, repeats: int) -> dict[str, object]:
         "bandwidth_bps": bandwidth,
         "latency_readings_s": latencies,
         "bandwidth_readings_bps": readings,
+        "under_compute": under_compute(megabytes, latency, bandwidth["float32"]),
     }
+
+
+def under_compute(megabytes: float, latency_s: float, bandwidth_bps: float) -> dict[str, float]:
+    """The all-reduces of `measure` while every rank computes: per-hop latency, float32
+    bandwidth (counted as `measure` counts it) and `compute_share`, the compute's speed
+    then over its speed alone (1: communication costs the compute nothing)."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    hops = 2 * (world - 1)
+    tiny = torch.zeros(8)
+    tensor = torch.ones(int(megabytes * 2**20) // 4)
+    sent = 2 * (world - 1) / world * tensor.numel() * 4
+    # Every rank runs the same number of all-reduces: rank 0's count, from its readings alone.
+    tiny_count = _agreed(math.ceil(CONTENDED_S / max(hops * latency_s, 1e-6)))
+    large_count = _agreed(math.ceil(CONTENDED_S / (sent * 8 / bandwidth_bps + hops * latency_s)))
+    a, b = torch.randn(COMPUTE_SIDE, COMPUTE_SIDE), torch.randn(COMPUTE_SIDE, COMPUTE_SIDE)
+    alone = _compute_rate(a, b, CONTENDED_S)
+    tiny_s, _ = _while_computing(lambda: dist.all_reduce(tiny), min(tiny_count, 5000), a, b)
+    busy_latency = tiny_s / hops
+    large_s, rate = _while_computing(lambda: dist.all_reduce(tensor), min(large_count, 50), a, b)
+    return {
+        "latency_s": busy_latency,
+        "bandwidth_bps": sent * 8 / max(large_s - hops * busy_latency, 1e-9),
+        "compute_share": min(1.0, rate / alone),
+    }
+
+
+def _agreed(count: int) -> int:
+    import torch
+    import torch.distributed as dist
+
+    agreed = torch.tensor([max(1, count)])
+    dist.broadcast(agreed, 0)
+    return int(agreed)
+
+
+def _compute_rate(a, b, seconds: float) -> float:
+    """Matrix products per second on this thread, alone."""
+    import torch
+
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, b)
+        count += 1
+    return count / (time.perf_counter() - start)
+
+
+def _while_computing(collective, count: int, a, b) -> tuple[float, float]:
+    """Seconds per collective, run `count` times on a second thread, and matrix products
+    per second on this one meanwhile."""
+    import torch
+
+    elapsed: list[float] = []
+
+    def communicate() -> None:
+        start = time.perf_counter()
+        for _ in range(count):
+            collective()
+        elapsed.append(time.perf_counter() - start)
+
+    thread = threading.Thread(target=communicate, daemon=True)
+    products, start = 0, time.perf_counter()
+    thread.start()
+    while thread.is_alive():
+        torch.mm(a, b)
+        products += 1
+    wall = time.perf_counter() - start
+    thread.join()
+    return elapsed[0] / count, products / wall
 
 
 def _timed(action) -> float:

@@ -783,6 +783,12 @@ def _print_probe(lab: Lab, repeats: int, allreduce: bool) -> None:
             f"{d} {format_rate(int(b))}" for d, b in measured["bandwidth_bps"].items()
         )
         print(f"all-reduce: {rates}; {measured['latency_s'] * 1e6:,.0f} us per hop (medians)")
+        busy = measured["under_compute"]
+        print(
+            f"while the nodes compute: float32 {format_rate(int(busy['bandwidth_bps']))}; "
+            f"{busy['latency_s'] * 1e6:,.0f} us per hop; "
+            f"{busy['compute_share']:.0%} of the compute's speed left"
+        )
         doubts += measured["warnings"]
     for line in doubts:
         print(line, file=sys.stderr)

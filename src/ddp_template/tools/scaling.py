@@ -27,6 +27,11 @@ per step (docs/nodes.md, "The model"):
 - overlap: buckets are sent one after another, each starting when it is ready and the
   previous one is done; the step ends when both the backward and the last bucket are
   done. PowerSGD on gloo waits for each bucket inside the backward (nothing overlaps).
+- contention: while a bucket is on the wire and the backward computes, the node's cores do
+  both; a probed link (`--link lab`) says at what speed each then runs (the all-reduce's
+  bandwidth and latency while the nodes compute, and the compute's share of its speed
+  left), measured on the nodes themselves (`ddp_template.tools.allreduce_probe`). A rate
+  assumes cores to spare: no contention.
   With an overlap o (1 by default; `--overlap 0` for ranks whose cores are so busy that
   the transfer waits for the backward):
       exposed = o * max(0, end of the last bucket - (F + B + H)) + (1 - o) * sum of t_k
@@ -88,10 +93,19 @@ class MeasuredRun:
 class Link:
     """Each node's link: the effective all-reduce bandwidth per dtype on the wire, and the
     latency of one ring hop. A rate (`--link 1gbit`) gives the same bandwidth to every
-    dtype; a probe of the lab (`--link lab`) measures each."""
+    dtype; a probe of the lab (`--link lab`) measures each.
+
+    While the node computes, an all-reduce can be slower (`busy_speed`: its speed then over
+    its speed alone) and cost the compute part of its speed (`compute_share` is what is
+    left): on a node with a fraction of a core gloo's threads and the backward take turns.
+    A rate knows neither (both 1, the node's cores to spare); the lab's probe measures them
+    under the nodes' quotas (`ddp_template.tools.allreduce_probe`, `under_compute`)."""
 
     bandwidth_bps: dict[str, float]
     latency_s: float = 50e-6
+    busy_bandwidth_bps: dict[str, float] | None = None
+    busy_latency_s: float | None = None
+    compute_share: float = 1.0
 
     @classmethod
     def rated(cls, bits_per_s: float, latency_s: float = 50e-6) -> Link:
@@ -99,11 +113,39 @@ class Link:
 
     @classmethod
     def probed(cls, measured: dict[str, Any]) -> Link:
-        return cls(dict(measured["bandwidth_bps"]), float(measured["latency_s"]))
+        bandwidth = dict(measured["bandwidth_bps"])
+        busy = measured.get("under_compute")
+        if not busy:
+            return cls(bandwidth, float(measured["latency_s"]))
+        # Measured for float32; the other dtypes slow down by the same ratio.
+        slowed = float(busy["bandwidth_bps"]) / bandwidth["float32"]
+        return cls(
+            bandwidth,
+            float(measured["latency_s"]),
+            {dtype: rate * slowed for dtype, rate in bandwidth.items()},
+            float(busy["latency_s"]),
+            float(busy["compute_share"]),
+        )
+
+    def transfer_s(self, wire_dtype: str, bits: float, hops: int, busy: bool = False) -> float:
+        """Seconds of one ring collective: its bits at the bandwidth plus a latency per hop;
+        `busy`: while the node computes."""
+        if busy and self.busy_bandwidth_bps is not None:
+            return bits / self.busy_bandwidth_bps[wire_dtype] + hops * (
+                self.busy_latency_s or self.latency_s
+            )
+        return bits / self.bandwidth_bps[wire_dtype] + hops * self.latency_s
 
     def describe(self) -> str:
         rates = ", ".join(f"{d} {format_rate(int(b))}" for d, b in self.bandwidth_bps.items())
-        return f"{rates}; {self.latency_s * 1e6:.0f} us per hop"
+        text = f"{rates}; {self.latency_s * 1e6:.0f} us per hop"
+        if self.busy_bandwidth_bps is not None:
+            text += (
+                f"; while computing float32 {format_rate(int(self.busy_bandwidth_bps['float32']))}, "
+                f"{(self.busy_latency_s or 0) * 1e6:.0f} us per hop, "
+                f"{self.compute_share:.0%} of the compute's speed left"
+            )
+        return text
 
 
 @dataclass(frozen=True)
@@ -291,22 +333,28 @@ def predict(
     groups = buckets(run.shapes, run.element_bytes, bucket_cap_mb)
     sizes = [sum(math.prod(run.shapes[i]) * run.element_bytes for i in g) for g in groups]
     total = sum(sizes) or 1
-    end = sent_s = 0.0
+    transfers: list[Transfer] = []
     done_bytes = 0
     if world > 1:
         ring = 2 * (world - 1) / world
+        spec = comm_hook(hook)
+        # PowerSGD makes two all-reduces per bucket (P, then Q): twice the latency.
+        hops = spec.all_reduces * 2 * (world - 1)
         for group, nbytes in zip(groups, sizes, strict=True):
             done_bytes += nbytes
-            ready = run.forward_s + backward * done_bytes / total
             wire = sum(
                 sent_bytes(run.shapes[i], run.element_bytes, hook, run.powersgd_rank) for i in group
             )
-            # PowerSGD makes two all-reduces per bucket (P, then Q): twice the latency.
-            rounds = comm_hook(hook).all_reduces
-            bandwidth = link.bandwidth_bps[comm_hook(hook).wire_dtype]
-            seconds = ring * wire * 8 / bandwidth + rounds * 2 * (world - 1) * link.latency_s
-            end = max(end, ready) + seconds
-            sent_s += seconds
+            bits = ring * wire * 8
+            transfers.append(
+                Transfer(
+                    backward * done_bytes / total,
+                    link.transfer_s(spec.wire_dtype, bits, hops),
+                    link.transfer_s(spec.wire_dtype, bits, hops, busy=True),
+                )
+            )
+    sent_s = sum(t.alone_s for t in transfers)
+    end = run.forward_s + overlapped_backward(backward, transfers, link.compute_share)
     overlap = run_overlap(run) if overlap is None else overlap
     if needs_one_bucket_at_a_time(hook, run.backend):
         # The hook waits for each bucket inside the backward (comm_hooks.CountingHook):
@@ -327,6 +375,57 @@ def predict(
         samples,
         one_node / step,
     )
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One bucket's all-reduce: ready once the backward has computed `ready_s` of its
+    seconds; it takes `alone_s` on a node that does nothing else, `busy_s` while the node
+    computes."""
+
+    ready_s: float
+    alone_s: float
+    busy_s: float
+
+
+def overlapped_backward(
+    backward_s: float, transfers: list[Transfer], compute_share: float
+) -> float:
+    """Seconds from the backward's start until its compute and every bucket's all-reduce
+    are done. The buckets go one at a time, each once the backward has produced it; while
+    one is on the wire and the backward computes, the transfer runs at its busy speed and
+    the compute at `compute_share` of its own; alone, each at its own. With the link's
+    defaults (busy = alone, share 1) this is the plain schedule: bucket k ends at
+    max(ready_k, end of k - 1) + t_k."""
+    clock = computed = 0.0
+    pending = list(transfers)
+    left = 0.0  # the share of the current transfer still to send; 0: none on the wire
+    current: Transfer | None = None
+    while pending or current is not None or computed < backward_s:
+        if current is None and pending and computed >= min(pending[0].ready_s, backward_s) - 1e-12:
+            current, left = pending.pop(0), 1.0
+        computing = computed < backward_s - 1e-12
+        if current is not None and (current.busy_s if computing else current.alone_s) <= 0:
+            current = None
+            continue
+        duration = 0.0 if current is None else current.busy_s if computing else current.alone_s
+        compute_rate = (compute_share if current is not None else 1.0) if computing else 0.0
+        waits = []
+        if compute_rate > 0:
+            target = backward_s if current is not None or not pending else pending[0].ready_s
+            waits.append((min(target, backward_s) - computed) / compute_rate)
+        if current is not None:
+            waits.append(left * duration)
+        if not waits:
+            break
+        elapsed = max(0.0, min(waits))
+        clock += elapsed
+        computed = min(backward_s, computed + compute_rate * elapsed)
+        if current is not None:
+            left -= elapsed / duration
+            if left <= 1e-12:
+                current = None
+    return clock
 
 
 def reduce_scatter_factor(backend: str, world: int) -> float:
