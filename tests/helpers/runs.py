@@ -8,11 +8,17 @@ without GPUs.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
+import shutil
+import signal
 import socket
+import struct
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,22 +70,123 @@ def on_cpu_unless_told(overrides: tuple[str, ...] | list[str]) -> list[str]:
 def train(
     *overrides: str, cwd: Path, timeout: float = 600, check: bool = True
 ) -> subprocess.CompletedProcess:
+    """`python train.py <overrides>` in `cwd`, to its end; forked from the prestarted
+    interpreter (helpers/prestarted.py) when the environment is the one it started with."""
     overrides = tuple(on_cpu_unless_told(overrides))
     env = subprocess_env()
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *overrides],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    command = [sys.executable, str(ROOT / "train.py"), *overrides]
+    server = _prestarted(env)
+    if server is not None:
+        proc = server.run(command, list(overrides), cwd, env, timeout)
+    else:
+        proc = subprocess.run(
+            command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        )
     if check and proc.returncode != 0:
         raise AssertionError(
             f"train.py {' '.join(overrides)} exited {proc.returncode}\n"
             f"--- stdout ---\n{proc.stdout[-5000:]}\n--- stderr ---\n{proc.stderr[-5000:]}"
         )
     return proc
+
+
+# Variables that differ between runs without changing what a library does as it loads.
+_PER_RUN = ("PYTEST_CURRENT_TEST",)
+
+
+class Prestarted:
+    """The client of one prestarted interpreter (helpers/prestarted.py), started with `env`."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.folder = Path(tempfile.mkdtemp(prefix="prestarted-"))
+        self.socket = str(self.folder / "socket")
+        self.process = subprocess.Popen(
+            [sys.executable, str(HELPERS / "prestarted.py"), self.socket],
+            env=env,
+            cwd=self.folder,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        ready = self.process.stdout.readline() if self.process.stdout else ""
+        if not ready.startswith("ready "):
+            raise RuntimeError(f"the prestarted interpreter did not start: {ready!r}")
+        # Its environment once the project was imported: what the libraries set as they load.
+        self.loaded_env: dict[str, str] = json.loads(ready.split(" ", 1)[1])
+        atexit.register(self.close)
+
+    def serves(self, env: dict[str, str]) -> bool:
+        """A run in `env` is the same here as in a fresh interpreter: `env` is the one this
+        one started in, but for variables that differ run to run and those a library sets
+        as it loads (this test process imported it too), at the same value."""
+        if self.process.poll() is not None:
+            return False
+        start, run = _per_run(self.env), _per_run(env)
+        return all(
+            start.get(key) == run.get(key)
+            or (key not in start and run[key] == self.loaded_env.get(key))
+            for key in set(start) | set(run)
+        )
+
+    def run(
+        self, command: list[str], args: list[str], cwd: Path, env: dict[str, str], timeout: float
+    ) -> subprocess.CompletedProcess:
+        request = json.dumps({"args": args, "cwd": str(cwd), "env": env}).encode()
+        with (
+            tempfile.TemporaryFile() as out,
+            tempfile.TemporaryFile() as err,
+            socket.socket(socket.AF_UNIX) as connection,
+        ):
+            connection.connect(self.socket)
+            message = struct.pack("!Q", len(request)) + request
+            socket.send_fds(connection, [message], [out.fileno(), err.fileno()])
+            replies = connection.makefile()
+            pid = json.loads(replies.readline())["pid"]
+            connection.settimeout(timeout)
+            ended = False
+            try:
+                code = json.loads(replies.readline())["returncode"]
+                ended = True
+            except TimeoutError:
+                raise subprocess.TimeoutExpired(command, timeout) from None
+            finally:
+                if not ended:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            stdout, stderr = (_text(f) for f in (out, err))
+        return subprocess.CompletedProcess(command, code, stdout, stderr)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _text(file) -> str:
+    file.seek(0)
+    return file.read().decode(errors="replace")
+
+
+_SERVER: list[Prestarted] = []
+
+
+def _prestarted(env: dict[str, str]) -> Prestarted | None:
+    """The prestarted interpreter for a run in `env`, started on first use; None when the
+    run's environment differs from the one it started with (`DDP_TEMPLATE_TESTS_FORK=0`:
+    never, every run a fresh interpreter)."""
+    if os.environ.get("DDP_TEMPLATE_TESTS_FORK", "1") == "0":
+        return None
+    if not _SERVER:
+        _SERVER.append(Prestarted(_BASE_ENV))
+    server = _SERVER[0]
+    return server if server.serves(env) else None
+
+
+def _per_run(env: dict[str, str]) -> dict[str, str]:
+    """The environment less what differs from run to run without changing how a library
+    loads (`_PER_RUN`)."""
+    return {k: v for k, v in env.items() if k not in _PER_RUN}
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
@@ -134,6 +241,11 @@ def compose_train(*overrides: str):
     with open_dict(cfg):
         cfg.paths.output_dir = "unused"
     return cfg
+
+
+# The environment of the suite's runs before any test changes it: the prestarted
+# interpreter starts in it and serves the runs in it (`Prestarted.serves`).
+_BASE_ENV = subprocess_env()
 
 
 def cuda_devices() -> int:

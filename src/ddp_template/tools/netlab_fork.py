@@ -81,7 +81,7 @@ def _become_node(node: Node, program: str, args: list[str], logs: Path) -> None:
         os.dup2(log, 2)
         _enter_node(node)
         sys.argv = [program, *args]
-        _run_as_main(program)
+        run_as_main(program)
         code = 0
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
@@ -95,7 +95,7 @@ def _become_node(node: Node, program: str, args: list[str], logs: Path) -> None:
         os._exit(code)
 
 
-def _run_as_main(program: str) -> None:
+def run_as_main(program: str) -> None:
     """Runs `program` as `__main__`, as `python program` would, with no frame of a file
     that is no module's (runpy's are `<frozen runpy>`): torch's elastic rendezvous calls
     `inspect.stack()` on every operation, and each such frame makes inspect scan all of
@@ -136,7 +136,7 @@ def _enter_node(node: Node) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     if __spec__ is not None and argv is None:
         # Started with -m: again as a script, so that no runpy frame sits below the
-        # program (`_run_as_main`).
+        # program (`run_as_main`).
         os.execv(sys.executable, [sys.executable, __file__, *sys.argv[1:]])
     parser = argparse.ArgumentParser(
         prog="python -m ddp_template.tools.netlab_fork", description=__doc__.split("\n\n")[0]
