@@ -116,10 +116,11 @@ def test_the_overlapped_schedule_without_contention_is_the_plain_one() -> None:
 def test_a_transfer_that_takes_the_cores_slows_the_compute_it_overlaps() -> None:
     """One bucket ready at once, 1 s on the wire, 1 s of backward: with half the compute's
     speed left while it is sent, the compute has done 0.5 s when it ends and 0.5 s more
-    after (1.5 s); a transfer slower while the node computes ends later; with no speed
-    left (the node's fraction of a core taken by gloo) the two run one after the other."""
+    after (1.5 s); a transfer at half its speed while the node computes is half sent when
+    the backward ends and sends the rest alone (1.5 s); with no speed left (the node's
+    fraction of a core taken by gloo) the two run one after the other."""
     assert overlapped_backward(1.0, [Transfer(0.0, 1.0, 1.0)], 0.5) == pytest.approx(1.5)
-    assert overlapped_backward(1.0, [Transfer(0.0, 1.0, 2.0)], 1.0) == pytest.approx(2.0)
+    assert overlapped_backward(1.0, [Transfer(0.0, 1.0, 2.0)], 1.0) == pytest.approx(1.5)
     assert overlapped_backward(1.0, [Transfer(0.0, 1.0, 1.0)], 0.0) == pytest.approx(2.0)
     # Sent after the backward, nothing contends: the busy speed does not apply.
     assert overlapped_backward(1.0, [Transfer(1.0, 1.0, 5.0)], 0.0) == pytest.approx(2.0)
