@@ -40,6 +40,7 @@ def copy_project(target: Path) -> Path:
         "pyproject.toml",
         "tests/conftest.py",
         "tests/helpers/runs.py",
+        "tests/helpers/prestarted.py",
         "tests/helpers/probe.py",
     ):
         shutil.copy2(ROOT / name, target / name)

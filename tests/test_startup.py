@@ -20,7 +20,16 @@ LANE_PROBE = "+callbacks.lane_probe._target_=lane_probe.LaneProbe"
 @pytest.mark.slow
 def test_forked_workers_start_as_fresh_processes_would(tmp_path: Path) -> None:
     job = tmp_path / "run"
-    train("strategy=ddp", "devices=2", *FAST, LANE_PROBE, f"hydra.run.dir={job}", cwd=tmp_path)
+    # As users start it: the workers' command line is the one typed.
+    train(
+        "strategy=ddp",
+        "devices=2",
+        *FAST,
+        LANE_PROBE,
+        f"hydra.run.dir={job}",
+        cwd=tmp_path,
+        fresh=True,
+    )
     records = [json.loads((job / "lane_probe" / f"rank_{r}.json").read_text()) for r in (0, 1)]
     for rank, record in enumerate(records):
         # Forked: a spawned worker's command line is multiprocessing's own.
@@ -41,7 +50,8 @@ def test_forked_workers_start_as_fresh_processes_would(tmp_path: Path) -> None:
 def test_fork_is_refused_while_another_thread_runs() -> None:
     """A thread of the launching process would be missing from a forked copy, its locks
     held: Python's, native ones (a TCPStore's server) and GNU OpenMP's team alike. Asked
-    in a fresh process, which holds none of them to begin with."""
+    in a fresh process, which holds none of them to begin with, and in a process forked
+    from it (where OpenBLAS's pool, which the count leaves out, is not running)."""
     proc = subprocess.run(
         [sys.executable, str(TESTS / "helpers" / "thread_probe.py")],
         capture_output=True,
@@ -54,6 +64,7 @@ def test_fork_is_refused_while_another_thread_runs() -> None:
     assert found["alone"] == "fork"
     assert found["python_thread"] == "spawn" and found["python_thread_ended"] == "fork"
     assert found["native_thread"] == "spawn" and found["native_thread_ended"] == "fork"
+    assert found["python_thread_in_a_forked_process"] == "spawn"
     assert found["openmp_team"] == "spawn"
 
 

@@ -68,14 +68,16 @@ def on_cpu_unless_told(overrides: tuple[str, ...] | list[str]) -> list[str]:
 
 
 def train(
-    *overrides: str, cwd: Path, timeout: float = 600, check: bool = True
+    *overrides: str, cwd: Path, timeout: float = 600, check: bool = True, fresh: bool = False
 ) -> subprocess.CompletedProcess:
     """`python train.py <overrides>` in `cwd`, to its end; forked from the prestarted
-    interpreter (helpers/prestarted.py) when the environment is the one it started with."""
+    interpreter (helpers/prestarted.py) when the environment is the one it started with,
+    unless `fresh`: a new interpreter, for tests of what a process started from the shell
+    is (its command line, what it inherits)."""
     overrides = tuple(on_cpu_unless_told(overrides))
     env = subprocess_env()
     command = [sys.executable, str(ROOT / "train.py"), *overrides]
-    server = _prestarted(env)
+    server = None if fresh else _prestarted(env)
     if server is not None:
         proc = server.run(command, list(overrides), cwd, env, timeout)
     else:

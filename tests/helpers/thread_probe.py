@@ -4,9 +4,11 @@ each kind of thread a launching process may hold, printed as JSON."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
+import numpy  # noqa: F401  (OpenBLAS, which starts its pool of server threads as it loads)
 import torch
 
 from ddp_template.launch.agent import worker_start_method
@@ -42,4 +44,20 @@ torch.set_num_threads(2)
 x = torch.randn(800, 800)
 (x @ x).sum()
 found["openmp_team"] = method()
+# A process forked from this one: OpenBLAS's pool does not run there, and a Python thread
+# there is still one a fork would lose (not to be taken for one of OpenBLAS's).
+read, write = os.pipe()
+child = os.fork()
+if child == 0:
+    os.close(read)
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait)
+    thread.start()
+    os.write(write, method().encode())
+    release.set()
+    thread.join()
+    os._exit(0)
+os.close(write)
+found["python_thread_in_a_forked_process"] = os.read(read, 16).decode()
+os.waitpid(child, 0)
 print(json.dumps(found))

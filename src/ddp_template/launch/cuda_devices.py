@@ -72,12 +72,14 @@ def threads_a_fork_would_lose() -> int:
     """Threads of this process besides the calling one, as the kernel counts them (Python's
     and native ones: a TCPStore's server, an uploader's C++ pool, which `threading` does
     not list), less OpenBLAS's server threads: OpenBLAS starts N-1 of them when it loads
-    (numpy and scipy each bring one OpenBLAS) and rebuilds its pool in a forked child."""
+    (numpy and scipy each bring one OpenBLAS) and rebuilds its pool in a forked child. Only
+    native threads can be OpenBLAS's: in a process itself forked from one that loaded
+    OpenBLAS, its pool is not running, and a Python thread is not to be taken for it."""
+    import threading
+
     try:
         threads = len(os.listdir("/proc/self/task"))
     except OSError:
-        import threading
-
         threads = threading.active_count()
     from threadpoolctl import threadpool_info
 
@@ -86,7 +88,9 @@ def threads_a_fork_would_lose() -> int:
         for info in threadpool_info()
         if info.get("internal_api") == "openblas" and info.get("threading_layer") == "pthreads"
     )
-    return threads - 1 - pools
+    python_threads = min(threads, threading.active_count())
+    native = threads - python_threads
+    return python_threads - 1 + max(0, native - pools)
 
 
 def compute_capabilities() -> list[tuple[int, int]] | None:
