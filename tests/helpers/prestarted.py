@@ -38,9 +38,12 @@ HEADER = struct.Struct("!Q")
 
 
 def serve(path: str) -> None:
-    import ddp_template.train  # noqa: F401  (the imports each run would pay)
+    # First, as train.py imports it: its environment defaults are set before torch loads
+    # (PRELOAD names torch first).
+    import ddp_template.train  # noqa: F401
     from ddp_template.tools.netlab_fork import PRELOAD
 
+    # The rest of the imports each run would pay.
     for module in PRELOAD:
         importlib.import_module(module)
     gc.collect()

@@ -95,11 +95,12 @@ class Link:
     latency of one ring hop. A rate (`--link 1gbit`) gives the same bandwidth to every
     dtype; a probe of the lab (`--link lab`) measures each.
 
-    While the node computes, an all-reduce can be slower (`busy_speed`: its speed then over
-    its speed alone) and cost the compute part of its speed (`compute_share` is what is
+    While the node computes, an all-reduce can be slower (`busy_bandwidth_bps`,
+    `busy_latency_s`) and cost the compute part of its speed (`compute_share` is what is
     left): on a node with a fraction of a core gloo's threads and the backward take turns.
-    A rate knows neither (both 1, the node's cores to spare); the lab's probe measures them
-    under the nodes' quotas (`ddp_template.tools.allreduce_probe`, `under_compute`)."""
+    A rate knows neither (no busy figures, share 1: the node's cores to spare); the lab's
+    probe measures them under the nodes' quotas (`ddp_template.tools.allreduce_probe`,
+    `under_compute`)."""
 
     bandwidth_bps: dict[str, float]
     latency_s: float = 50e-6
@@ -460,15 +461,14 @@ def predict_sharded(
     world = nodes * run.devices_per_node
     sizes = [int(u["bytes"]) for u in units]
     total = sum(sizes) or 1
-    bandwidth = link.bandwidth_bps[comm_hook("none").wire_dtype]
-
+    dtype = comm_hook("none").wire_dtype
     scatter = reduce_scatter_factor(run.backend, world)
 
     def wire(nbytes: int, factor: float = (world - 1) / world) -> float:
         if world == 1 or nbytes == 0:
             return 0.0
         hops = round(factor * world)  # W - 1 per ring pass
-        return factor * nbytes * 8 / bandwidth + hops * link.latency_s
+        return link.transfer_s(dtype, factor * nbytes * 8, hops)
 
     comm = wire(sizes[0])
     gathered = {0: comm}
