@@ -5,14 +5,20 @@ checkpoints resume at another world size from the same sample, load into `ddp` a
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers.runs import results, train
+from helpers.runs import ROOT, results, subprocess_env, train
 from test_every_task import COMMON, TASKS, _distance
 
+from ddp_template.errors import UserFacingError
 from ddp_template.resume.checkpoint_io import plain_from_sharded
+from ddp_template.tools.netlab import Lab, require_namespaces
 
 FSDP = ["strategy=fsdp", "devices=2"]
 DDP = ["strategy=ddp", "devices=2"]
@@ -308,3 +314,114 @@ def test_a_process_killed_while_writing_shards_resumes_from_the_previous_checkpo
     resumed = tmp_path / "resumed"
     train(*overrides, f"ckpt_path={last}", f"hydra.run.dir={resumed}", cwd=tmp_path)
     assert results(resumed)["attempts"][-1]["start_step"] == int(marker.read_text()) - 1
+
+
+def _on_lab_nodes(
+    prefix: str, nodes: int, cwd: Path, job: Path, *overrides: str
+) -> tuple[dict[int, int], dict[int, str]]:
+    """A lab of `nodes` nodes made for this run and removed after it; train.py on every
+    node as its own agent (one worker each), forked from one process that imported the
+    project once (`netlab_fork`), each node in its own network namespace, hostname and
+    address. Returns each node's exit code and the tail of its output."""
+    lab = Lab.up(nodes, "1gbit", prefix=prefix, memory_per_node_mb=600)
+    try:
+        return _run_on(lab, cwd, job, *overrides)
+    finally:
+        lab.down()
+
+
+def _run_on(
+    lab: Lab, cwd: Path, job: Path, *overrides: str
+) -> tuple[dict[int, int], dict[int, str]]:
+    command = [
+        sys.executable,
+        "-m",
+        "ddp_template.tools.netlab_fork",
+        "--prefix",
+        lab.prefix,
+        "--logs",
+        str(cwd),
+        "--",
+        str(ROOT / "train.py"),
+        *RESHARD,
+        "strategy=fsdp",
+        "devices=1",
+        f"num_nodes={len(lab.nodes)}",
+        "network.node_rank={node}",
+        f"network.master_addr={lab.nodes[0].hostname}",
+        f"network.job_id={job.name}{os.getpid()}",
+        f"hydra.run.dir={job}",
+        *overrides,
+    ]
+    cwd.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        command,
+        cwd=cwd,
+        env=subprocess_env(OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    logs = {n.index: (cwd / f"node{n.index}.log") for n in lab.nodes}
+    assert done.stdout.strip(), done.stderr[-3000:]
+    codes = {int(k): v for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+    return codes, {i: p.read_text()[-3000:] if p.exists() else "" for i, p in logs.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.xdist_group("cluster")
+def test_a_sharded_checkpoint_of_two_lab_nodes_resumes_on_four(tmp_path: Path) -> None:
+    """Two lab nodes of fsdp stop after step 4 (each writes its shard from its own
+    namespace); four nodes resume from that folder with half the batch each (the same
+    global batch) and end where two ranks without a stop end: the checkpoint is resharded
+    from 2 to 4 and the loader goes on from the global sample position."""
+    from helpers.runs import compose_train
+
+    try:
+        require_namespaces()
+    except UserFacingError as why:
+        pytest.skip(str(why))
+    batch = int(compose_train(*RESHARD).data.batch_size)
+    assert batch % 2 == 0, batch
+    full = tmp_path / "full"
+    train(*RESHARD, *FSDP, f"hydra.run.dir={full}", cwd=tmp_path)
+    expected = final_state(full)
+
+    stopped = tmp_path / "stopped"
+    tag = os.getpid() % 100000
+    codes, logs = _on_lab_nodes(
+        f"fs{tag}",
+        2,
+        tmp_path / "two",
+        stopped,
+        "+callbacks.stop._target_=faults.StopAfterCheckpoint",
+        f"+callbacks.stop.step={STOP_AT_STEP}",
+    )
+    checkpoint = stopped / "checkpoints" / "last.ckpt"
+    # Each node's agent reports its worker's exit (the stop's code) and exits non-zero.
+    assert all(code != 0 and "exited with code 75" in logs[n] for n, code in codes.items()), logs
+    assert sorted(p.name for p in checkpoint.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    resumed = tmp_path / "resumed"
+    codes, logs = _on_lab_nodes(
+        f"fr{tag}",
+        4,
+        tmp_path / "four",
+        resumed,
+        f"data.batch_size={batch // 2}",
+        f"ckpt_path={checkpoint}",
+    )
+    assert codes == dict.fromkeys(range(4), 0), logs
+    record = results(resumed)
+    assert record["world_size"] == 4 and record["num_nodes"] == 4
+    assert len({n["hostname"] for n in record["nodes"]}) == 4
+    attempt = record["attempts"][-1]
+    assert (attempt["start_step"], attempt["world_size"]) == (STOP_AT_STEP, 4)
+    moved = relative(expected, plain_from_sharded(checkpoint)["state_dict"])
+    difference = relative(final_state(resumed), expected)
+    print(
+        f"2 lab nodes -> 4: {difference:.3g} from the run without a stop (the last steps moved {moved:.3g})"
+    )
+    assert difference <= RELATIVE
+    assert moved > 1000 * RELATIVE
