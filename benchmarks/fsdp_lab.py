@@ -19,6 +19,7 @@ No figure from the N-node jobs goes into a prediction. Prints measured and predi
 per strategy and rate, and fsdp's step over ddp's; writes fsdp_lab.csv/.md into --out.
 
     .venv/bin/python benchmarks/fsdp_lab.py --nodes 2 --out /tmp/fl   # as root, about 4 min here
+    .venv/bin/python benchmarks/fsdp_lab.py --nodes 2 --link-from lab --out /tmp/fll
     .venv/bin/python benchmarks/fsdp_lab.py --nodes 2 --out /tmp/fl --report-only
 """
 
@@ -54,14 +55,33 @@ def train_args(args: argparse.Namespace, strategy: str, warmup: int, steps: int)
     return [*common, *strategy_args(strategy)]
 
 
+def probe_file(args: argparse.Namespace, nodes: int, rate: str) -> Path:
+    """With --link-from lab: the lab probed as users probe it (`netlab probe --allreduce
+    --save`: the all-reduce alone and while the nodes compute, FSDP's all-gather), every
+    node in its quota; both models take the file as their link."""
+    saved = args.out / f"probe_{nodes}_{rate}.json"
+    if not saved.is_file():
+        command = [sv.PYTHON, "-m", "ddp_template.tools.netlab", "probe", "--prefix"]
+        command += [args.prefix, "--repeats", "3", "--allreduce", "--save", str(saved)]
+        done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+        if done.returncode:
+            raise RuntimeError(f"the probe failed: {done.stderr[-3000:]}")
+        (args.out / f"probe_{nodes}_{rate}.txt").write_text(done.stdout + done.stderr)
+        print(done.stdout, flush=True)
+    return saved
+
+
 def fsdp_prediction(out: Path, nodes: int, rate: str) -> float:
     """FSDP's predicted step, from the dry run's record."""
     plan = json.loads((out / f"dry_run_{nodes}_{rate}" / "dry_run.json").read_text())
     return float(plan["prediction"]["per_hook"]["fsdp"]["step_s"])
 
 
-def predict_fsdp(args: argparse.Namespace, one_node: Path, nodes: int, rate: str) -> None:
-    """FSDP's predicted step through the dry run, fed the one-node run's compute."""
+def predict_fsdp(
+    args: argparse.Namespace, one_node: Path, nodes: int, rate: str, link: str | None = None
+) -> None:
+    """FSDP's predicted step through the dry run, fed the one-node run's compute, on the
+    rate (or `link`: a probe's file)."""
     folder = args.out / f"dry_run_{nodes}_{rate}"
     if not (folder / "dry_run.json").is_file():
         group = sv.make_group(args.prefix, f"{args.prefix}-node0", args.current, args.cfs_period_us)
@@ -76,7 +96,7 @@ def predict_fsdp(args: argparse.Namespace, one_node: Path, nodes: int, rate: str
             f"num_nodes={nodes}",
             "devices=1",
             f"dry_run.measured_run={one_node}",
-            f"dry_run.link={rate}",
+            f"dry_run.link={link or rate}",
             "dry_run.latency_us=50",
             f"hydra.run.dir={folder}",
         ]
@@ -93,12 +113,25 @@ def measure(args: argparse.Namespace) -> None:
         sv.wait_for_memory(2000 * nodes + 2000)
         # The one-node run and DDP's predictions (every hook and bucket size; one is used).
         one_node = sv.one_node_run(args, args.current, nodes)
-        for rate in args.rate_list:
-            predict_fsdp(args, one_node, nodes, rate)
-        lab = Lab.up(nodes=nodes, rate=args.rate_list[0], prefix=args.prefix)
+        probed = args.link_from == "lab"
+        if not probed:
+            for rate in args.rate_list:
+                predict_fsdp(args, one_node, nodes, rate)
+        quota = args.current if probed else None
+        lab = Lab.up(nodes=nodes, rate=args.rate_list[0], prefix=args.prefix, cpu_fraction=quota)
         try:
             for rate in args.rate_list:
                 lab.set_rate(parse_rate(rate))
+                if probed:
+                    # Both models through the commands users run, told the probed link.
+                    link = str(probe_file(args, nodes, rate))
+                    group = sv.make_group(
+                        args.prefix, f"{args.prefix}-node0", args.current, args.cfs_period_us
+                    )
+                    sv.predict_with_the_command(
+                        args, one_node, nodes, rate, group, ["--link", link]
+                    )
+                    predict_fsdp(args, one_node, nodes, rate, link)
                 for strategy in ("ddp", "fsdp"):
                     port += 1
                     folder = args.out / f"{nodes}nodes_{rate}" / strategy
@@ -173,11 +206,18 @@ def write(args: argparse.Namespace, rows: list[dict]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sv.add_run_arguments(parser, "2", "fsdp_lab", "fl")
+    parser.add_argument(
+        "--link-from",
+        choices=["rate", "lab"],
+        default="rate",
+        help="what the models are told of the link: the rate, or the lab probed under the "
+        "nodes' quotas (netlab probe --allreduce --save: the all-reduce alone and while the "
+        "nodes compute, and FSDP's all-gather), the jobs then run in those quotas too",
+    )
     args = parser.parse_args()
     args.node_counts = [int(n) for n in args.nodes.split(",")]
     args.rate_list = [r for r in args.rates.split(",") if r]
     args.cfs_period_us = sv.DEFAULT_PERIOD_US
-    args.link_from = "rate"
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         try:

@@ -196,14 +196,25 @@ def core_of(index: int) -> int:
 
 
 def predict_with_the_command(
-    args: argparse.Namespace, one_node: Path, nodes: int, rate: str, group: Path
+    args: argparse.Namespace,
+    one_node: Path,
+    nodes: int,
+    rate: str,
+    group: Path,
+    link: list[str] | None = None,
 ) -> Path:
     """`--link <rate>`, or with --link-from lab `--link lab` (the running lab at that rate,
-    probed by an all-reduce over all its nodes, each under its quota)."""
+    probed by an all-reduce over all its nodes, each under its quota), or `link` as given
+    (e.g. `--link probe.json`)."""
     out = args.out / f"predicted_{nodes}_{rate}.txt"
     if out.is_file():
         return out
-    link = ["--link", rate] if args.link_from == "rate" else ["--link", "lab", "--lab", args.prefix]
+    if link is None:
+        link = (
+            ["--link", rate]
+            if args.link_from == "rate"
+            else ["--link", "lab", "--lab", args.prefix]
+        )
     command = [
         "taskset",
         "-c",

@@ -274,9 +274,21 @@ def test_fsdp_is_planned_as_shards_gathered_units_and_ring_collectives(
         "strategy.wrap=[Linear]",
         tmp_path=tmp_path,
     )
+    # The link as a probe on the nodes saved it (`netlab probe --allreduce --save`).
+    probe = tmp_path / "probe.json"
+    probe.write_text(
+        json.dumps(
+            {
+                "latency_s": 1e-4,
+                "bandwidth_bps": {"float32": 1e10, "float16": 1e10, "bfloat16": 1e10},
+                "all_gather_bandwidth_bps": 5e9,
+            }
+        )
+    )
     with open_dict(cfg):
         cfg.num_nodes = 2
         cfg.devices = 8
+        cfg.dry_run.link = str(probe)
     world = 16
     planned = plan_in_child(cfg)
     shapes = _parameter_shapes("task=regression")
@@ -309,6 +321,8 @@ def test_fsdp_is_planned_as_shards_gathered_units_and_ring_collectives(
     assert traffic["ddp_sent_per_rank"] == int(2 * ring * 4 * sum(elements))
     # The whole model and optimizer state, once over all ranks.
     assert planned["checkpoint_bytes"] >= 3 * 4 * sum(elements)
+    assert planned["prediction"]["link"].startswith(f"measured by the probe in {probe}")
+    assert "all-gather float32 5gbit" in planned["prediction"]["link"]
     predicted = planned["prediction"]["per_hook"]["fsdp"]
     assert predicted["step_s"] >= predicted["compute_s"] > 0
     assert predicted["exposed_comm_s"] > 0
@@ -367,8 +381,13 @@ def test_only_a_dry_run_passes_accelerator_gpu_without_gpus() -> None:
             ["-m", "ddp_template.tools.scaling", "no_such_run", "--nodes", "1,0"],
             "error: --nodes='1,0' is not valid: node counts >= 1",
         ),
+        (
+            ["train.py", *PLANNED, "dry_run.link=no_probe.json"],
+            "error: dry_run.link='no_probe.json' is not valid: a link rate (e.g. 10gbit), a "
+            "probe's .json file; this file does not exist",
+        ),
     ],
-    ids=["dry run num_nodes=0", "global batch", "scaling --nodes 1,0"],
+    ids=["dry run num_nodes=0", "global batch", "scaling --nodes 1,0", "a probe file missing"],
 )
 def test_bad_input_is_one_paragraph_and_exit_2(
     command: list[str], expected: str, tmp_path: Path

@@ -478,3 +478,39 @@ def test_the_docs_lab_recipe_runs_as_written() -> None:
         if lab is not None:
             lab.down()
         subprocess.run(["rm", "-rf", str(job)], check=False)
+
+
+@pytest.mark.slow
+def test_the_probe_saves_the_link_the_models_take(lab: Lab, tmp_path: Path) -> None:
+    """`netlab probe --allreduce --save FILE` over the lab's two nodes: the all-reduce alone
+    and while the nodes compute, FSDP's all-gather, and a file that `--link FILE` (and
+    `dry_run.link=FILE`) takes as the link; a file name that is not .json is refused
+    before anything runs."""
+    from ddp_template.tools.scaling import link_of
+
+    probe = [sys.executable, "-m", "ddp_template.tools.netlab", "probe", "--prefix", lab.prefix]
+    refused = subprocess.run(
+        [*probe, "--allreduce", "--save", str(tmp_path / "probe.txt")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2 and refused.stderr.startswith("error: --save="), refused.stderr
+    assert not (tmp_path / "probe.txt").exists()
+    saved = tmp_path / "probe.json"
+    done = subprocess.run(
+        [*probe, "--repeats", "1", "--allreduce", "--save", str(saved)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=subprocess_env(),
+    )
+    assert done.returncode == 0, done.stderr
+    assert "all-gather (FSDP's, counted as a ring's): float32 " in done.stdout
+    assert f"saved to {saved}" in done.stdout
+    link = link_of(str(saved), 5e-5, "--link")
+    measured = json.loads(saved.read_text())
+    assert link.gather_bandwidth_bps == measured["all_gather_bandwidth_bps"] > 0
+    assert link.busy_bandwidth_bps is not None and 0 < link.compute_share <= 1
+    # A shaped link of 1 Gbit/s: no collective measures faster than the rate.
+    assert 0 < max(measured["bandwidth_bps"].values()) < 1.2e9

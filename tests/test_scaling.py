@@ -167,11 +167,15 @@ def test_the_all_reduce_probe_measures_the_link_while_the_ranks_compute(tmp_path
     ]
     outputs = [p.communicate(timeout=180)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
-    busy = json.loads(outputs[0].strip().splitlines()[-1])["under_compute"]
+    measured = json.loads(outputs[0].strip().splitlines()[-1])
+    busy = measured["under_compute"]
     assert 0 < busy["compute_share"] <= 1
     assert busy["bandwidth_bps"] > 0 and busy["latency_s"] > 0
-    link = Link.probed(json.loads(outputs[0].strip().splitlines()[-1]))
+    assert measured["all_gather_bandwidth_bps"] > 0
+    assert len(measured["all_gather_readings_bps"]) == 5
+    link = Link.probed(measured)
     assert link.compute_share == busy["compute_share"]
+    assert link.gather_bandwidth_bps == measured["all_gather_bandwidth_bps"]
 
 
 @pytest.mark.parametrize("bad", ["0", "2,0", "x", "", "-4"])
@@ -312,3 +316,137 @@ def test_the_fsdp_reduce_scatter_on_gloo_costs_an_all_reduce_of_the_unit() -> No
     unit_time = (64 << 20) * 8 / 1e9
     assert nccl.exposed_comm_s == pytest.approx(2 * 7 / 8 * unit_time, rel=1e-3)
     assert gloo.exposed_comm_s == pytest.approx(3 * 7 / 8 * unit_time, rel=1e-3)
+
+
+def _plain_sharded_end(forward, backward, gathers, scatters, regather) -> float:
+    """FSDP's schedule with no contention, written out as a recurrence: one collective at
+    a time; unit k + 1's all-gather issued as unit k's forward starts; in the backward each
+    resharded unit gathered again as the unit after it starts, each unit's gradients
+    reduce-scattered once computed."""
+    count = len(forward)
+    comm = gathers[0]
+    gathered = {0: comm}
+    compute = 0.0
+    for k in range(count):
+        start = max(compute, gathered.get(k, 0.0))
+        if k + 1 < count:
+            comm = max(comm, start) + gathers[k + 1]
+            gathered[k + 1] = comm
+        compute = start + forward[k]
+    gathered = {}
+    if regather[-1]:
+        comm = max(comm, compute) + gathers[-1]
+        gathered[count - 1] = comm
+    for k in reversed(range(count)):
+        start = max(compute, gathered.get(k, 0.0))
+        if k > 0 and regather[k - 1]:
+            comm = max(comm, start) + gathers[k - 1]
+            gathered[k - 1] = comm
+        compute = start + backward[k]
+        comm = max(comm, compute) + scatters[k]
+    return max(compute, comm)
+
+
+def test_the_fsdp_schedule_on_a_rated_link_is_the_plain_recurrence() -> None:
+    """On a rated link (no contention) the two-lane schedule gives the recurrence's end,
+    on random units, compute, node counts, rates and backends."""
+    from ddp_template.tools.scaling import predict_sharded, reduce_scatter_factor
+
+    generator = torch.Generator().manual_seed(1)
+
+    def draw(low: float, high: float) -> float:
+        return low + (high - low) * float(torch.rand(1, generator=generator))
+
+    for case in range(30):
+        count = int(torch.randint(1, 9, (1,), generator=generator))
+        sizes = [int(draw(1, 5e7)) for _ in range(count)]
+        nodes, rate = (2, 4, 8)[case % 3], (1e8, 1e9, 1e10)[case % 3]
+        backend = ("gloo", "nccl")[case % 2]
+        reshard = case % 4 < 2
+        run = _run(forward_s=draw(0.05, 1), backward_s=draw(0.1, 2), shapes=[], backend=backend)
+        link = Link.rated(rate, latency_s=1e-4)
+        world = nodes
+
+        def seconds(nbytes: int, factor: float, rate: float = rate, world: int = world) -> float:
+            return factor * nbytes * 8 / rate + round(factor * world) * 1e-4
+
+        total = sum(sizes)
+        ring, scatter = (world - 1) / world, reduce_scatter_factor(backend, world)
+        end = _plain_sharded_end(
+            [run.forward_s * n / total for n in sizes],
+            [run.backward_s * n / total for n in sizes],
+            [seconds(n, ring) for n in sizes],
+            [seconds(n, scatter) for n in sizes],
+            [reshard and k > 0 for k in range(count)],
+        )
+        units = [{"name": f"u{k}", "bytes": n} for k, n in enumerate(sizes)]
+        predicted = predict_sharded(run, nodes, link, units, reshard)
+        assert run.forward_s + run.backward_s + predicted.exposed_comm_s == pytest.approx(
+            max(end, run.forward_s + run.backward_s)
+        ), case
+
+
+def test_fsdp_takes_the_probed_all_gather_and_the_contention_ddp_not_the_gather() -> None:
+    """A probe that found gloo's all-gather at half the all-reduce's rate makes FSDP's
+    predicted step longer and leaves DDP's (which sends no all-gather) as it was; the
+    collectives' contention with the compute makes FSDP's longer still."""
+    from ddp_template.tools.scaling import predict_sharded
+
+    rates = {"float32": 2e8, "float16": 2e8, "bfloat16": 2e8}
+    ring = Link.probed({"latency_s": 1e-3, "bandwidth_bps": rates})
+    slow_gather = Link.probed(
+        {"latency_s": 1e-3, "bandwidth_bps": rates, "all_gather_bandwidth_bps": 1e8}
+    )
+    contended = Link.probed(
+        {
+            "latency_s": 1e-3,
+            "bandwidth_bps": rates,
+            "all_gather_bandwidth_bps": 1e8,
+            "under_compute": {"latency_s": 1e-3, "bandwidth_bps": 1e8, "compute_share": 0.5},
+        }
+    )
+    assert "all-gather float32 100mbit" in slow_gather.describe()
+    run = _run(forward_s=0.5, backward_s=1.0, shapes=[[1024, 1024]] * 8)
+    units = [{"name": "root", "bytes": 0}] + [{"name": "Block", "bytes": 8 << 20}] * 4
+    steps = [predict_sharded(run, 2, link, units, True).step_s for link in (ring, slow_gather)]
+    assert steps[1] > steps[0]
+    assert predict_sharded(run, 2, contended, units, True).step_s > steps[1]
+    # With almost no compute to hide behind, the step grows by the gathers' extra time:
+    # at 2 nodes they receive (W - 1) / W of the 32 MiB, twice (forward and backward).
+    bare = _run(forward_s=1e-6, backward_s=1e-6, shapes=[])
+    grew = (
+        predict_sharded(bare, 2, slow_gather, units, True).step_s
+        - predict_sharded(bare, 2, ring, units, True).step_s
+    )
+    gathered_bits = 2 * 0.5 * (32 << 20) * 8
+    assert grew == pytest.approx(gathered_bits / 1e8 - gathered_bits / 2e8, rel=1e-3)
+    assert (
+        predict(run, 2, "none", slow_gather, 0.0, 25).step_s
+        == predict(run, 2, "none", ring, 0.0, 25).step_s
+    )
+
+
+def test_a_probe_saved_to_a_file_is_a_link_and_a_bad_file_one_paragraph(tmp_path: Path) -> None:
+    from ddp_template.tools.scaling import link_of
+
+    measured = {
+        "latency_s": 1e-3,
+        "bandwidth_bps": {"float32": 2e8, "float16": 1e8, "bfloat16": 1e8},
+        "all_gather_bandwidth_bps": 1.5e8,
+    }
+    saved = tmp_path / "probe.json"
+    saved.write_text(json.dumps(measured))
+    link = link_of(str(saved), 5e-5, "--link")
+    assert link.bandwidth_bps["float16"] == 1e8 and link.latency_s == 1e-3
+    assert link.gather_bandwidth_bps == 1.5e8
+    assert link_of("1gbit", 5e-5, "--link") == Link.rated(1e9, 5e-5)
+    with pytest.raises(ConfigError, match="this file does not exist") as missing:
+        link_of(str(tmp_path / "none.json"), 5e-5, "dry_run.link")
+    assert "dry_run.link=" in str(missing.value) and "netlab probe --allreduce --save" in str(
+        missing.value
+    )
+    (tmp_path / "other.json").write_text(json.dumps({"latency_s": 1}))
+    with pytest.raises(ConfigError, match="not an all-reduce probe's result"):
+        link_of(str(tmp_path / "other.json"), 5e-5, "--link")
+    with pytest.raises(ConfigError, match="a link rate"):
+        link_of("fast", 5e-5, "--link")

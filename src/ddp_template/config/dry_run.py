@@ -70,6 +70,7 @@ def plan(cfg: DictConfig) -> dict[str, Any]:
     started = time.perf_counter()
     refuse_unplanned_strategy(cfg)
     apply_global_batch(cfg)
+    planned_link(cfg)  # a bad dry_run.link is refused before the plan's work
     resolve_and_check(cfg)
     world = world_size(cfg)
     with fake_world(world), quiet():
@@ -375,12 +376,18 @@ def batch_figures(cfg: DictConfig, world: int) -> dict[str, Any]:
     }
 
 
+def planned_link(cfg: DictConfig) -> Any:
+    """`dry_run.link`: a rate per node, or a probe's .json file measured on the nodes."""
+    from ddp_template.tools.scaling import link_of
+
+    latency_s = float(cfg.dry_run.get("latency_us", 50)) * 1e-6
+    return link_of(str(cfg.dry_run.get("link")), latency_s, "dry_run.link")
+
+
 def predicted_step(cfg: DictConfig, plan: dict[str, Any]) -> dict[str, Any]:
     """The scaling model's step time at the planned nodes for each hook, on the link the
     config assumes; the compute is this CPU's step or a measured run's."""
-    from ddp_template.tools.netlab import format_rate, parse_rate
     from ddp_template.tools.scaling import (
-        Link,
         MeasuredRun,
         load_run,
         predict,
@@ -388,19 +395,9 @@ def predicted_step(cfg: DictConfig, plan: dict[str, Any]) -> dict[str, Any]:
     )
     from ddp_template.worker.comm_hooks import COMM_HOOKS
 
-    link_text = cfg.dry_run.get("link")
-    try:
-        rate = parse_rate(str(link_text))
-    except ConfigError:
-        rate = None
-    if rate is None:
-        raise ConfigError(
-            "dry_run.link",
-            link_text,
-            "a link rate per node such as 10gbit or 100gbit",
-            "e.g. dry_run.link=100gbit",
-        )
+    link_text = str(cfg.dry_run.get("link"))
     latency_s = float(cfg.dry_run.get("latency_us", 50)) * 1e-6
+    link = planned_link(cfg)
     shapes = [shape for bucket in plan.get("buckets", []) for shape in bucket["shapes"]]
     measured_folder = cfg.dry_run.get("measured_run")
     if measured_folder:
@@ -426,10 +423,11 @@ def predicted_step(cfg: DictConfig, plan: dict[str, Any]) -> dict[str, Any]:
             backend=planned_backend(cfg),
         )
         compute_from = "this machine's CPU, one step of rank 0 (not the planned machines)"
-    link = Link.rated(rate, latency_s)
     nodes = int(cfg.num_nodes)
     assumed = (
-        f"{format_rate(rate)} per node, {latency_s * 1e6:g} us per ring hop "
+        f"measured by the probe in {link_text}: {link.describe()}"
+        if link_text.endswith(".json")
+        else f"{link_text} per node, {latency_s * 1e6:g} us per ring hop "
         "(an assumption: dry_run.link)"
     )
     if "sharding" in plan:

@@ -5,7 +5,7 @@
 Rank 0 prints one JSON line: the latency of a tiny all-reduce (per ring hop) and, for each
 dtype DDP's hooks send (float32: none and PowerSGD, float16, bfloat16), the effective
 bandwidth of a large one in bit/s, counted as the model counts it (each rank sends
-2 (W - 1) / W of the bytes). That folds in what the link rate alone does not say: the
+2 (W - 1) / W of the bytes); and of FSDP's all-gather (float32), counted as a ring's. That folds in what the link rate alone does not say: the
 TCP stack's and gloo's cost on the node's cores, and gloo's summation of half-width
 numbers on the CPU. Each figure is the median of several readings, which are kept beside it
 (`latency_readings_s`, `bandwidth_readings_bps`): `ddp_template.tools.netlab`'s
@@ -58,15 +58,42 @@ def measure(megabytes: float, repeats: int) -> dict[str, object]:
             for _ in range(repeats)
         ]
         bandwidth[name] = statistics.median(readings[name])
+    gather = all_gather_readings(megabytes, repeats, latency)
     # The medians are the result; the readings show how far one probe can be trusted.
     return {
         "world": world,
         "latency_s": latency,
         "bandwidth_bps": bandwidth,
+        "all_gather_bandwidth_bps": statistics.median(gather),
         "latency_readings_s": latencies,
         "bandwidth_readings_bps": readings,
+        "all_gather_readings_bps": gather,
         "under_compute": under_compute(megabytes, latency, bandwidth["float32"]),
     }
+
+
+def all_gather_readings(megabytes: float, repeats: int, latency_s: float) -> list[float]:
+    """FSDP's all-gather (`all_gather_into_tensor`, float32) of `megabytes` gathered, each
+    rank giving 1/W: effective bit/s counted as a ring counts it (each rank receives
+    (W - 1) / W of the bytes over W - 1 hops). gloo's is not a ring and at 2 nodes takes
+    about 1.5x a ring's time (docs/fsdp.md): the FSDP model takes this figure, not the
+    all-reduce's."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    shard = torch.ones(int(megabytes * 2**20) // 4 // world)
+    full = torch.empty(shard.numel() * world)
+    dist.all_gather_into_tensor(full, shard)
+    received = (world - 1) * shard.numel() * 4
+    return [
+        received
+        * 8
+        / max(
+            _timed(lambda: dist.all_gather_into_tensor(full, shard)) - (world - 1) * latency_s, 1e-9
+        )
+        for _ in range(repeats)
+    ]
 
 
 def under_compute(megabytes: float, latency_s: float, bandwidth_bps: float) -> dict[str, float]:

@@ -694,6 +694,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     probe.add_argument(
         "--allreduce", action="store_true", help="also a gloo all-reduce between all nodes"
     )
+    probe.add_argument(
+        "--save",
+        type=Path,
+        default=None,
+        help="with --allreduce: write its result (JSON) here, for the scaling model's "
+        "--link FILE and the dry run's dry_run.link=FILE",
+    )
     sub.add_parser("down")
     for p in sub.choices.values():
         p.add_argument(
@@ -752,7 +759,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     elif args.command == "status":
         print(lab.describe())
     elif args.command == "probe":
-        _print_probe(lab, args.repeats, args.allreduce)
+        _print_probe(lab, args.repeats, args.allreduce, args.save)
     else:
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
         return subprocess.call(lab.command(args.node, cmd, args.private_disk))
@@ -768,9 +775,16 @@ def _this_python() -> str:
         return sys.executable
 
 
-def _print_probe(lab: Lab, repeats: int, allreduce: bool) -> None:
+def _print_probe(lab: Lab, repeats: int, allreduce: bool, save: Path | None = None) -> None:
     if repeats < 1:
         raise ConfigError("--repeats", repeats, "a whole number >= 1", "e.g. --repeats 5")
+    if save is not None and (not allreduce or save.suffix != ".json"):
+        raise ConfigError(
+            "--save",
+            str(save),
+            "a .json file, with --allreduce (it saves the all-reduce probe's result)",
+            f"e.g. --allreduce --save {save.with_suffix('.json').name}",
+        )
     readings = lab.probe_readings(repeats=repeats)
     print(
         f"measured {format_rate(int(statistics.median(readings)))} (median of {len(readings)} "
@@ -789,6 +803,16 @@ def _print_probe(lab: Lab, repeats: int, allreduce: bool) -> None:
             f"{busy['latency_s'] * 1e6:,.0f} us per hop; "
             f"{busy['compute_share']:.0%} of the compute's speed left"
         )
+        print(
+            "all-gather (FSDP's, counted as a ring's): float32 "
+            f"{format_rate(int(measured['all_gather_bandwidth_bps']))}"
+        )
+        if save is not None:
+            save.parent.mkdir(parents=True, exist_ok=True)
+            temporary = save.with_name(f".{save.name}.tmp")
+            temporary.write_text(json.dumps(measured, indent=1) + "\n")
+            temporary.replace(save)
+            print(f"saved to {save} (--link {save} or dry_run.link={save})")
         doubts += measured["warnings"]
     for line in doubts:
         print(line, file=sys.stderr)

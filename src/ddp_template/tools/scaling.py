@@ -30,8 +30,11 @@ per step (docs/nodes.md, "The model"):
 - contention: while a bucket is on the wire and the backward computes, the node's cores do
   both; a probed link (`--link lab`) says at what speed each then runs (the all-reduce's
   bandwidth and latency while the nodes compute, and the compute's share of its speed
-  left), measured on the nodes themselves (`ddp_template.tools.allreduce_probe`). A rate
-  assumes cores to spare: no contention.
+  left), measured on the nodes themselves (`ddp_template.tools.allreduce_probe`; saved
+  with `netlab probe --allreduce --save FILE`, `--link FILE` takes it). A rate assumes
+  cores to spare: no contention. The compute and the communication are two lanes
+  (`two_lanes`): DDP's backward and its buckets, FSDP's units with their all-gathers
+  (at the probed all-gather's own bandwidth) and reduce-scatters (`predict_sharded`).
   With an overlap o (1 by default; `--overlap 0` for ranks whose cores are so busy that
   the transfer waits for the backward):
       exposed = o * max(0, end of the last bucket - (F + B + H)) + (1 - o) * sum of t_k
@@ -107,6 +110,8 @@ class Link:
     busy_bandwidth_bps: dict[str, float] | None = None
     busy_latency_s: float | None = None
     compute_share: float = 1.0
+    # FSDP's all-gather (float32), counted as a ring's; None: the all-reduce's float32 figure.
+    gather_bandwidth_bps: float | None = None
 
     @classmethod
     def rated(cls, bits_per_s: float, latency_s: float = 50e-6) -> Link:
@@ -114,10 +119,12 @@ class Link:
 
     @classmethod
     def probed(cls, measured: dict[str, Any]) -> Link:
-        bandwidth = dict(measured["bandwidth_bps"])
+        bandwidth = {dtype: float(rate) for dtype, rate in measured["bandwidth_bps"].items()}
+        gather = measured.get("all_gather_bandwidth_bps")
+        gather_bps = float(gather) if gather else None
         busy = measured.get("under_compute")
         if not busy:
-            return cls(bandwidth, float(measured["latency_s"]))
+            return cls(bandwidth, float(measured["latency_s"]), gather_bandwidth_bps=gather_bps)
         # Measured for float32; the other dtypes slow down by the same ratio.
         slowed = float(busy["bandwidth_bps"]) / bandwidth["float32"]
         return cls(
@@ -126,16 +133,22 @@ class Link:
             {dtype: rate * slowed for dtype, rate in bandwidth.items()},
             float(busy["latency_s"]),
             float(busy["compute_share"]),
+            gather_bps,
         )
 
-    def transfer_s(self, wire_dtype: str, bits: float, hops: int, busy: bool = False) -> float:
-        """Seconds of one ring collective: its bits at the bandwidth plus a latency per hop;
-        `busy`: while the node computes."""
+    def transfer_s(
+        self, wire_dtype: str, bits: float, hops: int, busy: bool = False, gather: bool = False
+    ) -> float:
+        """Seconds of one collective: its bits at the bandwidth plus a latency per hop;
+        `busy`: while the node computes; `gather`: FSDP's all-gather, at its own bandwidth
+        where probed (slowed while busy as the all-reduce is)."""
+        bandwidth, latency = self.bandwidth_bps[wire_dtype], self.latency_s
+        if gather and self.gather_bandwidth_bps:
+            bandwidth = self.gather_bandwidth_bps
         if busy and self.busy_bandwidth_bps is not None:
-            return bits / self.busy_bandwidth_bps[wire_dtype] + hops * (
-                self.busy_latency_s or self.latency_s
-            )
-        return bits / self.bandwidth_bps[wire_dtype] + hops * self.latency_s
+            bandwidth *= self.busy_bandwidth_bps[wire_dtype] / self.bandwidth_bps[wire_dtype]
+            latency = self.busy_latency_s or self.latency_s
+        return bits / bandwidth + hops * latency
 
     def describe(self) -> str:
         rates = ", ".join(f"{d} {format_rate(int(b))}" for d, b in self.bandwidth_bps.items())
@@ -146,6 +159,8 @@ class Link:
                 f"{(self.busy_latency_s or 0) * 1e6:.0f} us per hop, "
                 f"{self.compute_share:.0%} of the compute's speed left"
             )
+        if self.gather_bandwidth_bps:
+            text += f"; all-gather float32 {format_rate(int(self.gather_bandwidth_bps))}"
         return text
 
 
@@ -398,35 +413,79 @@ def overlapped_backward(
     the compute at `compute_share` of its own; alone, each at its own. With the link's
     defaults (busy = alone, share 1) this is the plain schedule: bucket k ends at
     max(ready_k, end of k - 1) + t_k."""
-    clock = computed = 0.0
-    pending = list(transfers)
-    left = 0.0  # the share of the current transfer still to send; 0: none on the wire
-    current: Transfer | None = None
-    while pending or current is not None or computed < backward_s:
-        if current is None and pending and computed >= min(pending[0].ready_s, backward_s) - 1e-12:
-            current, left = pending.pop(0), 1.0
-        computing = computed < backward_s - 1e-12
-        if current is not None and (current.busy_s if computing else current.alone_s) <= 0:
-            current = None
-            continue
-        duration = 0.0 if current is None else current.busy_s if computing else current.alone_s
-        compute_rate = (compute_share if current is not None else 1.0) if computing else 0.0
-        waits = []
-        if compute_rate > 0:
-            target = backward_s if current is not None or not pending else pending[0].ready_s
-            waits.append((min(target, backward_s) - computed) / compute_rate)
-        if current is not None:
-            waits.append(left * duration)
-        if not waits:
-            break
-        elapsed = max(0.0, min(waits))
+    points = sorted({min(max(t.ready_s, 0.0), backward_s) for t in transfers} | {backward_s})
+    # The backward cut at the buckets' ready points; a bucket waits for the piece it ends.
+    pieces, done_at, previous = [], {}, 0.0
+    for point in points:
+        if point > previous:
+            pieces.append(Work(point - previous))
+            previous = point
+        done_at[point] = len(pieces) - 1
+    sends = [
+        Work(t.alone_s, t.busy_s, done_at[min(max(t.ready_s, 0.0), backward_s)]) for t in transfers
+    ]
+    return max(two_lanes(pieces, sends, compute_share))
+
+
+@dataclass(frozen=True)
+class Work:
+    """One task of a lane of `two_lanes`: `alone_s` seconds on a node that does nothing
+    else, `busy_s` (communication only) while the other lane is active; it starts once
+    its lane's previous task and the other lane's task `after` (an index; -1: none) are
+    done."""
+
+    alone_s: float
+    busy_s: float | None = None
+    after: int = -1
+
+
+def two_lanes(compute: list[Work], comm: list[Work], compute_share: float) -> tuple[float, float]:
+    """When the compute lane and the communication lane finish, each running its tasks in
+    order. While both are active the node does both: the compute at `compute_share` of its
+    speed, the communication at its busy speed; alone, each at its own. DDP's backward and
+    its buckets, and FSDP's units with their all-gathers and reduce-scatters, are such
+    schedules."""
+    lanes = (compute, comm)
+    clock = 0.0
+    ends = [0.0, 0.0]
+    done = [0, 0]  # each lane's finished tasks: the index of its running or next task
+    left: list[float | None] = [None, None]  # the share of each lane's running task to do
+    while True:
+        for lane in (0, 1):
+            waiting = left[lane] is None and done[lane] < len(lanes[lane])
+            if waiting and lanes[lane][done[lane]].after < done[1 - lane]:
+                left[lane] = 1.0
+        running = [share is not None for share in left]
+        if not any(running):
+            if done != [len(compute), len(comm)]:
+                raise ValueError("two_lanes: a task waits for one that never runs")
+            return ends[0], ends[1]
+        # Seconds each running task still needs at the current speeds.
+        needs = [math.inf, math.inf]
+        share_left = left[0]
+        if share_left is not None:
+            rate = compute_share if running[1] else 1.0
+            seconds = share_left * compute[done[0]].alone_s
+            needs[0] = seconds / rate if rate > 0 else (0.0 if seconds == 0 else math.inf)
+        share_left = left[1]
+        if share_left is not None:
+            task = comm[done[1]]
+            busy = running[0] and task.busy_s is not None
+            needs[1] = share_left * (
+                task.busy_s if busy and task.busy_s is not None else task.alone_s
+            )
+        elapsed = min(needs)
         clock += elapsed
-        computed = min(backward_s, computed + compute_rate * elapsed)
-        if current is not None:
-            left -= elapsed / duration
-            if left <= 1e-12:
-                current = None
-    return clock
+        for lane in (0, 1):
+            share_left = left[lane]
+            if share_left is None:
+                continue
+            if needs[lane] - elapsed <= 1e-12:
+                left[lane] = None
+                done[lane] += 1
+                ends[lane] = clock
+            else:
+                left[lane] = share_left * (1 - elapsed / needs[lane])
 
 
 def reduce_scatter_factor(backend: str, world: int) -> float:
@@ -450,7 +509,9 @@ def predict_sharded(
     first, in the forward's order (config/dry_run_sharded.py). One collective at a time on
     the link, each a ring of W - 1 steps sending (W - 1) / W of its bytes per rank:
         t(bytes) = (W - 1) / W * bytes / (L / 8) + (W - 1) * a
-    except the reduce-scatter on gloo, an all-reduce of the unit (`reduce_scatter_factor`).
+    except the reduce-scatter on gloo, an all-reduce of the unit (`reduce_scatter_factor`);
+    a probed link gives the all-gather its own bandwidth (gloo's is no ring) and, while a
+    unit computes, the busy speeds and the compute's share (`two_lanes`).
     Forward: unit k computes once its all-gather is done and unit k - 1 has computed; the
     all-gather of k + 1 (prefetched) runs meanwhile. The compute of a unit is F (or B) in
     proportion to its bytes (a proxy: the FLOPs per byte of parameter differ per layer).
@@ -463,39 +524,50 @@ def predict_sharded(
     total = sum(sizes) or 1
     dtype = comm_hook("none").wire_dtype
     scatter = reduce_scatter_factor(run.backend, world)
+    count = len(sizes)
 
-    def wire(nbytes: int, factor: float = (world - 1) / world) -> float:
-        if world == 1 or nbytes == 0:
-            return 0.0
+    def wire(k: int, after: int, gather: bool = True) -> Work:
+        factor = (world - 1) / world if gather else scatter
+        if world == 1 or sizes[k] == 0:
+            return Work(0.0, 0.0, after)
         hops = round(factor * world)  # W - 1 per ring pass
-        return link.transfer_s(dtype, factor * nbytes * 8, hops)
+        bits = factor * sizes[k] * 8
+        return Work(
+            link.transfer_s(dtype, bits, hops, gather=gather),
+            link.transfer_s(dtype, bits, hops, busy=True, gather=gather),
+            after,
+        )
 
-    comm = wire(sizes[0])
-    gathered = {0: comm}
-    compute = 0.0
-    for k in range(len(sizes)):
-        start = max(compute, gathered.get(k, 0.0))
-        if k + 1 < len(sizes) and sizes[k + 1]:
-            # The next unit's all-gather, prefetched as this unit's forward starts.
-            comm = max(comm, start) + wire(sizes[k + 1])
-            gathered[k + 1] = comm
-        compute = start + run.forward_s * sizes[k] / total
+    # The compute lane: the units' forwards, then their backwards in reverse; unit k's
+    # forward is task k, its backward task 2 count - 1 - k.
+    forward = [run.forward_s * n / total for n in sizes]
+    backward = [run.backward_s * n / total for n in sizes]
+    sends: list[Work] = []
+    gathered_at: dict[int, int] = {}  # compute task -> the send it waits for
+    # Forward: unit 0's all-gather first; unit k + 1's is prefetched as unit k's forward
+    # starts (once unit k - 1 has computed).
+    for k in range(count):
+        gathered_at[k] = len(sends)
+        sends.append(wire(k, k - 2 if k else -1))
     regather = [reshard_after_forward and k > 0 and n > 0 for k, n in enumerate(sizes)]
-    gathered = {}
-    last = len(sizes) - 1
+    last = count - 1
+    # Backward, in reverse: each resharded unit gathered again (prefetched as the unit
+    # after it starts its backward), its gradients reduce-scattered once computed.
     if regather[last]:
-        comm = max(comm, compute) + wire(sizes[last])
-        gathered[last] = comm
-    for k in reversed(range(len(sizes))):
-        start = max(compute, gathered.get(k, 0.0))
+        gathered_at[count] = len(sends)
+        sends.append(wire(last, last))
+    for k in reversed(range(count)):
+        task = 2 * count - 1 - k
         if k > 0 and regather[k - 1]:
-            # The next unit's all-gather, prefetched as this unit's backward starts.
-            comm = max(comm, start) + wire(sizes[k - 1])
-            gathered[k - 1] = comm
-        compute = start + run.backward_s * sizes[k] / total
-        if sizes[k]:
-            comm = max(comm, compute) + wire(sizes[k], scatter)  # its gradients' reduce-scatter
-    exposed = max(0.0, max(compute, comm) - run.forward_s - run.backward_s)
+            gathered_at[task + 1] = len(sends)
+            sends.append(wire(k - 1, task - 1))
+        sends.append(wire(k, task, gather=False))
+    compute = [
+        Work(seconds, after=gathered_at.get(task, -1))
+        for task, seconds in enumerate(forward + backward[::-1])
+    ]
+    compute_end, comm_end = two_lanes(compute, sends, link.compute_share)
+    exposed = max(0.0, max(compute_end, comm_end) - run.forward_s - run.backward_s)
     step = run.forward_s + run.backward_s + exposed + run.rest_s + run.data_wait_s
     one_node = run.forward_s + run.backward_s + run.rest_s + run.data_wait_s
     return Prediction(
@@ -606,23 +678,59 @@ def report(
     return lines
 
 
-def _link(text: str, latency_s: float, lab_prefix: str) -> Link:
-    if text != "lab":
-        rate = parse_rate(text)
-        if rate is None:
-            raise ConfigError("--link", text, "a link rate, or lab", "e.g. --link 1gbit")
-        return Link.rated(rate, latency_s)
-    from ddp_template.tools.netlab import Lab
+def link_of(text: str, latency_s: float, option: str, lab_prefix: str | None = None) -> Link:
+    """Each node's link from what a user gives `option`: a rate (`1gbit`: every collective
+    a ring at that rate, `latency_s` a hop, cores to spare), a probe's JSON file (what
+    `python -m ddp_template.tools.netlab probe --allreduce --save FILE` or rank 0 of
+    `ddp_template.tools.allreduce_probe` wrote, on the nodes to be used), or, where
+    `lab_prefix` is given, `lab`: the running netlab, probed now."""
+    if lab_prefix is not None and text == "lab":
+        from ddp_template.tools.netlab import Lab
 
-    lab = Lab.load(lab_prefix)
-    if lab is None:
+        lab = Lab.load(lab_prefix)
+        if lab is None:
+            raise ConfigError(
+                option,
+                text,
+                f"a running netlab to probe (none named {lab_prefix} is up)",
+                "python -m ddp_template.tools.netlab up --rate 1gbit, or give a rate: "
+                f"{option} 1gbit",
+            )
+        return Link.probed(lab.allreduce_probe())
+    allowed = "a link rate (e.g. 10gbit), a probe's .json file" + (
+        ", or lab" if lab_prefix is not None else ""
+    )
+    if str(text).endswith(".json"):
+        return Link.probed(_probe_file(Path(str(text)), option, allowed))
+    try:
+        rate = parse_rate(str(text))
+    except ConfigError:
+        rate = None
+    if rate is None:
+        raise ConfigError(option, text, allowed, f"e.g. {option} 1gbit")
+    return Link.rated(rate, latency_s)
+
+
+def _probe_file(path: Path, option: str, allowed: str) -> dict[str, Any]:
+    fix = (
+        "write one with python -m ddp_template.tools.netlab probe --allreduce --save "
+        f"{path} (or give a rate: {option} 1gbit)"
+    )
+    if not path.is_file():
+        raise ConfigError(option, str(path), f"{allowed}; this file does not exist", fix)
+    try:
+        measured = json.loads(path.read_text())
+        float(measured["bandwidth_bps"]["float32"])
+        float(measured["latency_s"])
+    except (ValueError, KeyError, TypeError) as why:
         raise ConfigError(
-            "--link",
-            text,
-            f"a running netlab to probe (none named {lab_prefix} is up)",
-            "python -m ddp_template.tools.netlab up --rate 1gbit, or give a rate: --link 1gbit",
-        )
-    return Link.probed(lab.allreduce_probe())
+            option,
+            str(path),
+            f"{allowed}; this file is not an all-reduce probe's result ({why!r} missing or "
+            "unreadable: it needs bandwidth_bps.float32 and latency_s)",
+            fix,
+        ) from None
+    return measured
 
 
 def _mb(cap: float | None) -> str:
@@ -638,7 +746,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--link",
         default="10gbit",
-        help="each node's link rate (e.g. 1gbit), or `lab`: probe the running netlab",
+        help="each node's link rate (e.g. 1gbit), a probe's .json file (netlab probe "
+        "--allreduce --save FILE), or `lab`: probe the running netlab",
     )
     parser.add_argument("--latency-us", type=float, default=50.0, help="per ring hop (a rate)")
     parser.add_argument("--lab", default="ddplab", help="the netlab probed by --link lab")
@@ -659,7 +768,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         counts = parse_nodes(args.nodes)
-        link = _link(args.link, args.latency_us * 1e-6, args.lab)
+        link = link_of(args.link, args.latency_us * 1e-6, "--link", args.lab)
         hooks = [h for h in args.hooks.split(",") if h]
         unknown = [h for h in hooks if h not in COMM_HOOKS]
         if unknown or not hooks:
