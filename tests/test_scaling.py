@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -348,8 +349,10 @@ def _plain_sharded_end(forward, backward, gathers, scatters, regather) -> float:
 
 
 def test_the_fsdp_schedule_on_a_rated_link_is_the_plain_recurrence() -> None:
-    """On a rated link (no contention) the two-lane schedule gives the recurrence's end,
-    on random units, compute, node counts, rates and backends."""
+    """On a rated link (no contention) the two-lane schedule gives the recurrence's end
+    on GPUs (NCCL), and on CPUs (gloo, where FSDP2's collectives block the thread that
+    computes) every collective after the compute, on random units, compute, node counts
+    and rates."""
     from ddp_template.tools.scaling import predict_sharded, reduce_scatter_factor
 
     generator = torch.Generator().manual_seed(1)
@@ -372,13 +375,20 @@ def test_the_fsdp_schedule_on_a_rated_link_is_the_plain_recurrence() -> None:
 
         total = sum(sizes)
         ring, scatter = (world - 1) / world, reduce_scatter_factor(backend, world)
-        end = _plain_sharded_end(
-            [run.forward_s * n / total for n in sizes],
-            [run.backward_s * n / total for n in sizes],
-            [seconds(n, ring) for n in sizes],
-            [seconds(n, scatter) for n in sizes],
-            [reshard and k > 0 for k in range(count)],
-        )
+        gathers = [seconds(n, ring) for n in sizes]
+        scatters = [seconds(n, scatter) for n in sizes]
+        regather = [reshard and k > 0 for k in range(count)]
+        if backend == "nccl":
+            end = _plain_sharded_end(
+                [run.forward_s * n / total for n in sizes],
+                [run.backward_s * n / total for n in sizes],
+                gathers,
+                scatters,
+                regather,
+            )
+        else:
+            again = sum(t for t, twice in zip(gathers, regather, strict=True) if twice)
+            end = run.forward_s + run.backward_s + sum(gathers) + again + sum(scatters)
         units = [{"name": f"u{k}", "bytes": n} for k, n in enumerate(sizes)]
         predicted = predict_sharded(run, nodes, link, units, reshard)
         assert run.forward_s + run.backward_s + predicted.exposed_comm_s == pytest.approx(
@@ -406,11 +416,17 @@ def test_fsdp_takes_the_probed_all_gather_and_the_contention_ddp_not_the_gather(
         }
     )
     assert "all-gather float32 100mbit" in slow_gather.describe()
-    run = _run(forward_s=0.5, backward_s=1.0, shapes=[[1024, 1024]] * 8)
+    # Overlapped (on GPUs) the collectives contend with the compute; on CPUs nothing
+    # overlaps and there is no contention to count.
+    run = _run(forward_s=0.5, backward_s=1.0, shapes=[[1024, 1024]] * 8, backend="nccl")
     units = [{"name": "root", "bytes": 0}] + [{"name": "Block", "bytes": 8 << 20}] * 4
     steps = [predict_sharded(run, 2, link, units, True).step_s for link in (ring, slow_gather)]
     assert steps[1] > steps[0]
     assert predict_sharded(run, 2, contended, units, True).step_s > steps[1]
+    on_cpus = replace(run, backend="gloo")
+    assert predict_sharded(on_cpus, 2, contended, units, True).step_s == pytest.approx(
+        predict_sharded(on_cpus, 2, slow_gather, units, True).step_s
+    )
     # With almost no compute to hide behind, the step grows by the gathers' extra time:
     # at 2 nodes they receive (W - 1) / W of the 32 MiB, twice (forward and backward).
     bare = _run(forward_s=1e-6, backward_s=1e-6, shapes=[])

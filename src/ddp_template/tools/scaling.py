@@ -498,6 +498,18 @@ def reduce_scatter_factor(backend: str, world: int) -> float:
     return 2 * ring if backend == "gloo" else ring
 
 
+def fsdp_overlaps(backend: str) -> bool:
+    """Whether FSDP2 overlaps its collectives with the compute. On GPUs (NCCL) it does:
+    the all-gathers and reduce-scatters run on CUDA streams of their own while the CPU
+    issues the next unit. On CPUs (gloo) it does not: there are no such streams, a unit's
+    all-gather (`unshard(async_op=False)`, prefetches included) and its gradients'
+    reduce-scatter (no async_op) complete on the thread that computes before it goes on
+    (torch 2.14's fsdp/_fully_shard/_fsdp_param_group.py and _fsdp_collectives.py). The
+    2-node lab at 1 Gbit/s measured 1.436 s a step against 1.149 s predicted with
+    overlap (docs/fsdp.md)."""
+    return backend != "gloo"
+
+
 def predict_sharded(
     run: MeasuredRun,
     nodes: int,
@@ -511,7 +523,8 @@ def predict_sharded(
         t(bytes) = (W - 1) / W * bytes / (L / 8) + (W - 1) * a
     except the reduce-scatter on gloo, an all-reduce of the unit (`reduce_scatter_factor`);
     a probed link gives the all-gather its own bandwidth (gloo's is no ring) and, while a
-    unit computes, the busy speeds and the compute's share (`two_lanes`).
+    unit computes, the busy speeds and the compute's share (`two_lanes`). On CPUs (gloo)
+    nothing overlaps (`fsdp_overlaps`): the step is F + B + every collective + R + D.
     Forward: unit k computes once its all-gather is done and unit k - 1 has computed; the
     all-gather of k + 1 (prefetched) runs meanwhile. The compute of a unit is F (or B) in
     proportion to its bytes (a proxy: the FLOPs per byte of parameter differ per layer).
@@ -566,8 +579,12 @@ def predict_sharded(
         Work(seconds, after=gathered_at.get(task, -1))
         for task, seconds in enumerate(forward + backward[::-1])
     ]
-    compute_end, comm_end = two_lanes(compute, sends, link.compute_share)
-    exposed = max(0.0, max(compute_end, comm_end) - run.forward_s - run.backward_s)
+    if fsdp_overlaps(run.backend):
+        compute_end, comm_end = two_lanes(compute, sends, link.compute_share)
+        exposed = max(0.0, max(compute_end, comm_end) - run.forward_s - run.backward_s)
+    else:
+        # Each collective blocks the thread that computes: one after another, alone.
+        exposed = sum(send.alone_s for send in sends)
     step = run.forward_s + run.backward_s + exposed + run.rest_s + run.data_wait_s
     one_node = run.forward_s + run.backward_s + run.rest_s + run.data_wait_s
     return Prediction(
