@@ -228,6 +228,38 @@ def test_comm_hook_runs_in_a_two_process_run(tmp_path: Path) -> None:
     assert out["samples_per_sec_per_device"] == pytest.approx(out["samples_per_sec"] / 2)
 
 
+@pytest.mark.slow
+def test_exposed_communication_is_measured_under_ddp_and_fsdp(
+    recipe_sweep: Path, tmp_path: Path
+) -> None:
+    """Two ranks of `ddp` and of `fsdp` side by side in the report: what communication
+    added to a step, measured for both (DDP's timers; the training thread's wait in FSDP's
+    collectives, which on CPUs block it), positive and less than the step; one process
+    has none to measure (n/a, not 0)."""
+    sweep = tmp_path / "sweep"
+    train(
+        "-m",
+        *TINY_BENCHMARK,
+        "devices=2",
+        "strategy=ddp,fsdp",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    proc = report(sweep)
+    assert proc.returncode == 0, proc.stderr
+    rows = {row["setting"]: row for row in csv_rows(sweep)}
+    assert set(rows) == {"strategy=ddp", "strategy=fsdp"}
+    for name, row in rows.items():
+        out = results(Path(row["job_dir"]))
+        exposed = out["exposed_comm_s"]
+        assert exposed is not None and 0 < exposed < out["step_time_median_s"], name
+        assert float(row["exposed_comm_s"]) == pytest.approx(exposed)
+        assert out["exposed_comm_s_over_ranks"]["max"] >= exposed
+    assert "| exposed comm (ms) |" in proc.stdout
+    one_process = results(recipe_sweep / "0")
+    assert one_process["world_size"] == 1 and one_process["exposed_comm_s"] is None
+
+
 def run_script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
     """A script of benchmarks/ in its report or refusal paths (no lab, no training)."""
     return subprocess.run(

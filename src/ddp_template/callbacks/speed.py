@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.data import extract_batch_size
 
+from ddp_template.worker.comm_clock import blocked_s, ddp_exposed_s
 from ddp_template.worker.flops import TERA, device_peak_tflops, training_flops_per_sample
 from ddp_template.worker.memory import peak_memory_mb, peak_reserved_mb, reset_peak_memory
 from ddp_template.worker.over_ranks import spread
@@ -33,6 +34,10 @@ class SpeedMonitor(L.Callback):
     - `perf/data_wait_fraction` (largest over ranks) and its spread over ranks;
     - `perf/slowest_rank`: the rank whose timed steps took longest (the one the others wait
       for), and `perf/step_time_s/{min,median,max}` over ranks of each rank's median step;
+    - `perf/exposed_comm_s`: what communication added to a step, the median over ranks
+      (and its spread): under `fsdp` on CPUs the median over the timed steps of the seconds
+      the training thread waited in FSDP's collectives, under `ddp` DDP's own timers
+      (`worker/comm_clock.py`); not logged where neither applies (one process, fsdp on GPUs);
     - `perf/measured_steps`: steps timed;
     - `perf/warmup_time_s`: wall time of the untimed warm-up steps (the slowest rank's): with
       `compile=true` it holds the compilation, kept out of the step times;
@@ -74,6 +79,8 @@ class SpeedMonitor(L.Callback):
         self._samples = 0
         self._periods: list[float] = []
         self._waits: list[float] = []
+        self._blocked_at_start = 0.0
+        self._blocked: list[float] = []
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._reset()
@@ -89,6 +96,7 @@ class SpeedMonitor(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._batch_start = time.perf_counter()
+        self._blocked_at_start = blocked_s()
         if self._first_start is None:
             self._first_start = self._batch_start
         self._batch_samples = extract_batch_size(batch)
@@ -112,6 +120,7 @@ class SpeedMonitor(L.Callback):
         if self._steps_seen >= self.warmup_batches and self._previous_end is not None:
             self._periods.append(end - self._previous_end)
             self._waits.append(self._batch_start - self._previous_end)
+            self._blocked.append(blocked_s() - self._blocked_at_start)
             self._samples += self._batch_samples
         self._previous_end = end
         self._steps_seen += 1
@@ -132,6 +141,7 @@ class SpeedMonitor(L.Callback):
             peak_memory_mb(device),
             peak_reserved_mb(device) or 0.0,
             self._warmup_time,
+            _exposed_comm_s(trainer.strategy.model, self._blocked),
         ]
         # Every rank takes part in this collective, whether it timed any step or not.
         ranks = _gather_rows(mine, device)
@@ -155,6 +165,10 @@ class SpeedMonitor(L.Callback):
                 }
             )
             metrics.update(self.flops_metrics(rate, len(ranks)))
+        exposed = [row[8] for row in ranks]
+        if len(ranks) > 1 and min(exposed) >= 0:
+            metrics["perf/exposed_comm_s"] = float(np.median(exposed))
+            metrics.update(spread("perf/exposed_comm_s", exposed))
         metrics["perf/measured_steps"] = float(len(self._periods))
         metrics["perf/warmup_time_s"] = max(row[7] for row in ranks)
         metrics["perf/warmup_steps"] = float(min(self.warmup_batches, self._steps_seen))
@@ -174,6 +188,18 @@ class SpeedMonitor(L.Callback):
         if self.peak_tflops:
             metrics["perf/mfu"] = achieved / devices / self.peak_tflops
         return metrics
+
+
+def _exposed_comm_s(model: Any, blocked: list[float]) -> float:
+    """This rank's exposed communication per step (`comm_clock`); -1 where not measured."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        exposed = ddp_exposed_s(model)
+        return -1.0 if exposed is None else exposed
+    if blocked and any(blocked):
+        return float(np.median(blocked))
+    return -1.0
 
 
 def _synchronize(device: torch.device) -> None:

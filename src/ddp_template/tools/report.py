@@ -36,6 +36,7 @@ CSV_COLUMNS = (
     "mfu",
     "step_time_median_s",
     "step_time_p90_s",
+    "exposed_comm_s",
     "data_wait_fraction",
     "peak_memory_mb",
     "memory_kind",
@@ -93,6 +94,7 @@ _MEASURED = (
     "mfu",
     "step_time_median_s",
     "step_time_p90_s",
+    "exposed_comm_s",
     "data_wait_fraction",
     "peak_memory_mb",
     "model_state_mb",
@@ -224,6 +226,7 @@ def _row(job: Path, result: dict[str, Any], name: str, overrides: list[str]) -> 
         "mfu": result.get("mfu"),
         "step_time_median_s": result.get("step_time_median_s"),
         "step_time_p90_s": result.get("step_time_p90_s"),
+        "exposed_comm_s": result.get("exposed_comm_s"),
         "data_wait_fraction": result.get("data_wait_fraction"),
         "peak_memory_mb": result.get("peak_memory_mb"),
         "memory_kind": result.get("memory_kind"),
@@ -302,12 +305,13 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     monitor = monitor_label(rows)
     header = (
         "| setting | samples/s | per device | TFLOP/s per device | MFU | step median (ms) "
-        f"| step p90 (ms) | loader wait | memory (MiB, {memory}) | model state (MiB per rank) "
+        f"| step p90 (ms) | exposed comm (ms) | loader wait | memory (MiB, {memory}) "
+        "| model state (MiB per rank) "
         "| speed-up | memory change |"
         + (f" {monitor} |" if monitor else "")
         + " precision | strategy |"
     )
-    lines = [header, "|" + "---|" * (15 if monitor else 14)]
+    lines = [header, "|" + "---|" * (16 if monitor else 15)]
     for row in rows:
         task_value = [_number(row["monitor_best"], ".4g")] if monitor else []
         name = f"**{row['setting']}**" if row["baseline"] else row["setting"]
@@ -322,6 +326,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                     _number(row["mfu"], ".1%"),
                     _number(_ms(row["step_time_median_s"]), ",.0f"),
                     _number(_ms(row["step_time_p90_s"]), ",.0f"),
+                    _number(_ms(row["exposed_comm_s"]), ",.0f"),
                     _number(row["data_wait_fraction"], ".1%"),
                     _number(row["peak_memory_mb"], ",.0f"),
                     _number(row["model_state_mb"], ",.1f"),

@@ -76,6 +76,9 @@ def collect_results(
         "data_wait_fraction": metrics.get("perf/data_wait_fraction"),
         "data_wait_fraction_over_ranks": over_ranks(metrics, "perf/data_wait_fraction"),
         "step_time_median_s_over_ranks": over_ranks(metrics, "perf/step_time_s"),
+        # What communication added to a step (callbacks/speed.py): null where not measured.
+        "exposed_comm_s": metrics.get("perf/exposed_comm_s"),
+        "exposed_comm_s_over_ranks": over_ranks(metrics, "perf/exposed_comm_s"),
         "slowest_rank": _whole(metrics.get("perf/slowest_rank")),
         "measured_steps": int(metrics.get("perf/measured_steps", 0)),
         "compile": bool(cfg.get("compile", False)),

@@ -98,7 +98,8 @@ def shard_network(network: nn.Module, mesh: Any, options: ShardingOptions) -> No
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     offload = CPUOffloadPolicy() if options.cpu_offload else OffloadPolicy()
-    for unit in units_to_wrap(network, options.wrap):
+    units = units_to_wrap(network, options.wrap)
+    for unit in units:
         if options.activation_checkpointing:
             # Recomputes the unit's activations in the backward instead of keeping them.
             checkpoint(unit)
@@ -111,6 +112,11 @@ def shard_network(network: nn.Module, mesh: Any, options: ShardingOptions) -> No
     # The root's parameters are all-gathered for the backward anyway: keeping them saves
     # one all-gather (PyTorch's advice for the root).
     fully_shard(network, mesh=mesh, reshard_after_forward=False, offload_policy=offload)
+    if mesh.device_type == "cpu":
+        from ddp_template.worker.comm_clock import clock_collectives
+
+        # The step's exposed communication (results.json: exposed_comm_s).
+        clock_collectives([*units, network])
 
 
 def is_sharded(network: nn.Module) -> bool:
