@@ -214,7 +214,7 @@ def test_speed_monitor_splits_loader_wait_from_the_step() -> None:
     """Steps of 20 ms preceded by 20 ms waits: half of the time is waiting for data."""
     monitor = SpeedMonitor(warmup_batches=2)
     module = _Recorder(device=torch.device("cpu"))
-    trainer = SimpleNamespace(precision="32-true")
+    trainer = SimpleNamespace(precision="32-true", strategy=SimpleNamespace(model=module))
     batch = (torch.zeros(8, 1), torch.zeros(8))
     monitor.on_fit_start(trainer, module)
     for epoch_steps in (6, 6):
@@ -236,6 +236,8 @@ def test_speed_monitor_splits_loader_wait_from_the_step() -> None:
     median_rate = 8 / logged["perf/step_time_median_s"]
     assert logged["perf/samples_per_sec"] == pytest.approx(median_rate, rel=0.5)
     assert logged["perf/peak_mem_mb/max"] >= logged["perf/peak_mem_mb/min"] > 0
+    # One process: no communication to measure, and no key that says 0.
+    assert "perf/exposed_comm_s" not in logged
 
 
 def test_a_comm_hook_added_to_the_table_is_read_everywhere(
