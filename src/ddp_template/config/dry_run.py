@@ -50,7 +50,8 @@ DRY_RUN_FILE = "dry_run.json"
 CANNOT_KNOW = (
     "activation memory (it depends on the batch, the precision and the GPU's kernels: "
     "measure one step on one planned GPU, callbacks' peak memory in results.json)",
-    "a real link's rate and latency (the link figure is an assumption: dry_run.link)",
+    "a real link's rate and latency (the link figure is an assumption: dry_run.link; "
+    "a probe's .json file there is a measurement, of the nodes it was taken on)",
     "the planned machines' compute (the step time uses this machine's CPU step unless "
     "dry_run.measured_run names a run measured on the planned GPU)",
     "the data loading time (no data wait is predicted)",

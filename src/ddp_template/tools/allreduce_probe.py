@@ -84,14 +84,12 @@ def all_gather_readings(megabytes: float, repeats: int, latency_s: float) -> lis
     world = dist.get_world_size()
     shard = torch.ones(int(megabytes * 2**20) // 4 // world)
     full = torch.empty(shard.numel() * world)
-    dist.all_gather_into_tensor(full, shard)
+    # FSDP2's call (torch 2.14's DefaultAllGather); the older name before it existed.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(full, shard)
     received = (world - 1) * shard.numel() * 4
     return [
-        received
-        * 8
-        / max(
-            _timed(lambda: dist.all_gather_into_tensor(full, shard)) - (world - 1) * latency_s, 1e-9
-        )
+        received * 8 / max(_timed(lambda: gather(full, shard)) - (world - 1) * latency_s, 1e-9)
         for _ in range(repeats)
     ]
 
