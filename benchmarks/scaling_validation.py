@@ -331,6 +331,30 @@ def measure(args: argparse.Namespace) -> None:
 LINE = re.compile(r"nodes=(\d+) hook=(\w+) bucket_cap_mb=(\S+) .* predicted step time: ([\d.]+) s")
 
 
+PARTS = re.compile(
+    r"nodes=\d+ hook=(\w+) bucket_cap_mb=(\S+) compute ([\d.]+) s exposed comm ([\d.]+) s"
+)
+
+
+def predicted_parts(path: Path) -> dict[tuple[str, int], tuple[float, float]]:
+    """The compute and exposed communication of each prediction line."""
+    return {
+        (m[1], int(float(m[2]))): (float(m[3]), float(m[4]))
+        for m in PARTS.finditer(path.read_text())
+    }
+
+
+def measured_parts(record: dict) -> tuple[float | None, float | None]:
+    """A lab job's forward + backward compute (DDP's timers) and exposed communication
+    (results.json exposed_comm_s: DDP's timers, how long the all-reduce ran past the
+    backward), where recorded."""
+    gradients = record.get("gradients") or {}
+    compute = None
+    if gradients.get("forward_compute_s") is not None:
+        compute = float(gradients["forward_compute_s"]) + float(gradients["backward_compute_s"])
+    return compute, record.get("exposed_comm_s")
+
+
 def predictions(path: Path) -> dict[tuple[str, int], float]:
     found = {}
     for match in LINE.finditer(path.read_text()):
@@ -360,6 +384,7 @@ def rows_of(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     for nodes in args.node_counts:
         for rate in args.rate_list:
             predicted = predictions(args.out / f"predicted_{nodes}_{rate}.txt")
+            parts = predicted_parts(args.out / f"predicted_{nodes}_{rate}.txt")
             measured = {}
             for hook, bucket in grid(args.full):
                 results = args.out / f"{nodes}nodes_{rate}" / f"{hook}_{bucket}" / "results.json"
@@ -380,6 +405,11 @@ def rows_of(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
                         "measured_step_s": round(step, 4),
                         "predicted_step_s": round(predicted[(hook, bucket)], 4),
                         "error": round(predicted[(hook, bucket)] / step - 1, 4),
+                        # Where the error lies: the step's parts, measured and predicted.
+                        "measured_forward_backward_s": _rounded(measured_parts(record)[0]),
+                        "measured_exposed_comm_s": _rounded(measured_parts(record)[1]),
+                        "predicted_compute_s": parts[(hook, bucket)][0],
+                        "predicted_exposed_comm_s": parts[(hook, bucket)][1],
                     }
                 )
             if not measured:
@@ -407,6 +437,14 @@ def rows_of(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     return rows, cases
 
 
+def _figure(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
 def write(args: argparse.Namespace, rows: list[dict], cases: list[dict]) -> None:
     out = args.out
     with open(out / "scaling_validation.csv", "w", newline="") as f:
@@ -417,13 +455,16 @@ def write(args: argparse.Namespace, rows: list[dict], cases: list[dict]) -> None
         json.dumps({"rows": rows, "cases": cases}, indent=2)
     )
     lines = [
-        "| nodes x core | link | comm_hook | bucket_cap_mb | measured step s | predicted s | error |",
-        "|---|---|---|---|---|---|---|",
+        "| nodes x core | link | comm_hook | bucket_cap_mb | measured step s | predicted s | error "
+        "| measured F + B s | predicted compute s | measured exposed s | predicted exposed s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['nodes']} x {r['core_fraction']} | {r['rate']} | {r['comm_hook']} | "
         f"{r['bucket_cap_mb']} | {r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | "
-        f"{r['error']:+.1%} |"
+        f"{r['error']:+.1%} | {_figure(r.get('measured_forward_backward_s'))} | "
+        f"{_figure(r.get('predicted_compute_s'))} | {_figure(r.get('measured_exposed_comm_s'))} | "
+        f"{_figure(r.get('predicted_exposed_comm_s'))} |"
         for r in rows
     ]
     lines += [
