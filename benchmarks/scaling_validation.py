@@ -394,6 +394,7 @@ def rows_of(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
                 measured[(hook, bucket)] = float(record["step_time_median_s"])
                 assert record["world_size"] == nodes, results
                 step = measured[(hook, bucket)]
+                lab_compute, lab_exposed = measured_parts(record)
                 rows.append(
                     {
                         "nodes": nodes,
@@ -406,8 +407,8 @@ def rows_of(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
                         "predicted_step_s": round(predicted[(hook, bucket)], 4),
                         "error": round(predicted[(hook, bucket)] / step - 1, 4),
                         # Where the error lies: the step's parts, measured and predicted.
-                        "measured_forward_backward_s": _rounded(measured_parts(record)[0]),
-                        "measured_exposed_comm_s": _rounded(measured_parts(record)[1]),
+                        "measured_forward_backward_s": _rounded(lab_compute),
+                        "measured_exposed_comm_s": _rounded(lab_exposed),
                         "predicted_compute_s": parts[(hook, bucket)][0],
                         "predicted_exposed_comm_s": parts[(hook, bucket)][1],
                     }

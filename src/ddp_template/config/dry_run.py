@@ -71,7 +71,7 @@ def plan(cfg: DictConfig) -> dict[str, Any]:
     started = time.perf_counter()
     refuse_unplanned_strategy(cfg)
     apply_global_batch(cfg)
-    planned_link(cfg)  # a bad dry_run.link is refused before the plan's work
+    link = planned_link(cfg)  # a bad dry_run.link is refused before the plan's work
     resolve_and_check(cfg)
     world = world_size(cfg)
     with fake_world(world), quiet():
@@ -97,7 +97,7 @@ def plan(cfg: DictConfig) -> dict[str, Any]:
         **model,
         "cannot_know": list(CANNOT_KNOW),
     }
-    plan["prediction"] = predicted_step(cfg, plan)
+    plan["prediction"] = predicted_step(cfg, plan, link)
     plan["seconds"] = round(time.perf_counter() - started, 2)
     from ddp_template.worker.results import write_json_atomic
 
@@ -385,9 +385,9 @@ def planned_link(cfg: DictConfig) -> Any:
     return link_of(str(cfg.dry_run.get("link")), latency_s, "dry_run.link")
 
 
-def predicted_step(cfg: DictConfig, plan: dict[str, Any]) -> dict[str, Any]:
-    """The scaling model's step time at the planned nodes for each hook, on the link the
-    config assumes; the compute is this CPU's step or a measured run's."""
+def predicted_step(cfg: DictConfig, plan: dict[str, Any], link: Any) -> dict[str, Any]:
+    """The scaling model's step time at the planned nodes for each hook, on `link`
+    (`planned_link`); the compute is this CPU's step or a measured run's."""
     from ddp_template.tools.scaling import (
         MeasuredRun,
         load_run,
@@ -398,7 +398,6 @@ def predicted_step(cfg: DictConfig, plan: dict[str, Any]) -> dict[str, Any]:
 
     link_text = str(cfg.dry_run.get("link"))
     latency_s = float(cfg.dry_run.get("latency_us", 50)) * 1e-6
-    link = planned_link(cfg)
     shapes = [shape for bucket in plan.get("buckets", []) for shape in bucket["shapes"]]
     measured_folder = cfg.dry_run.get("measured_run")
     if measured_folder:

@@ -5,9 +5,9 @@
 Rank 0 prints one JSON line: the latency of a tiny all-reduce (per ring hop) and, for each
 dtype DDP's hooks send (float32: none and PowerSGD, float16, bfloat16), the effective
 bandwidth of a large one in bit/s, counted as the model counts it (each rank sends
-2 (W - 1) / W of the bytes); and of FSDP's all-gather (float32), counted as a ring's. That folds in what the link rate alone does not say: the
-TCP stack's and gloo's cost on the node's cores, and gloo's summation of half-width
-numbers on the CPU. Each figure is the median of several readings, which are kept beside it
+2 (W - 1) / W of the bytes); and of FSDP's all-gather (float32), counted as a ring's.
+That folds in what the link rate alone does not say: the TCP stack's and gloo's cost on
+the node's cores, and gloo's summation of half-width numbers on the CPU. Each figure is the median of several readings, which are kept beside it
 (`latency_readings_s`, `bandwidth_readings_bps`): `ddp_template.tools.netlab`'s
 `Lab.allreduce_probe` runs it on every node and warns when they disagree.
 
@@ -73,7 +73,7 @@ def measure(megabytes: float, repeats: int) -> dict[str, object]:
 
 
 def all_gather_readings(megabytes: float, repeats: int, latency_s: float) -> list[float]:
-    """FSDP's all-gather (`all_gather_into_tensor`, float32) of `megabytes` gathered, each
+    """FSDP's all-gather (`all_gather_single`, float32) of `megabytes` gathered, each
     rank giving 1/W: effective bit/s counted as a ring counts it (each rank receives
     (W - 1) / W of the bytes over W - 1 hops). gloo's is not a ring and at 2 nodes takes
     about 1.5x a ring's time (docs/fsdp.md): the FSDP model takes this figure, not the

@@ -808,10 +808,9 @@ def _print_probe(lab: Lab, repeats: int, allreduce: bool, save: Path | None = No
             f"{format_rate(int(measured['all_gather_bandwidth_bps']))}"
         )
         if save is not None:
-            save.parent.mkdir(parents=True, exist_ok=True)
-            temporary = save.with_name(f".{save.name}.tmp")
-            temporary.write_text(json.dumps(measured, indent=1) + "\n")
-            temporary.replace(save)
+            from ddp_template.worker.results import write_json_atomic
+
+            write_json_atomic(save, measured)
             print(f"saved to {save} (--link {save} or dry_run.link={save})")
         doubts += measured["warnings"]
     for line in doubts:

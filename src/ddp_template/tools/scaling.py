@@ -470,10 +470,8 @@ def two_lanes(compute: list[Work], comm: list[Work], compute_share: float) -> tu
         share_left = left[1]
         if share_left is not None:
             task = comm[done[1]]
-            busy = running[0] and task.busy_s is not None
-            needs[1] = share_left * (
-                task.busy_s if busy and task.busy_s is not None else task.alone_s
-            )
+            busy = task.busy_s if running[0] and task.busy_s is not None else None
+            needs[1] = share_left * (task.alone_s if busy is None else busy)
         elapsed = min(needs)
         clock += elapsed
         for lane in (0, 1):
