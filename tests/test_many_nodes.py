@@ -206,6 +206,32 @@ def test_a_cpu_fraction_is_each_nodes_share_of_the_cores() -> None:
     assert plan_capacity(8, str(cores / 8), 0) == pytest.approx(cores / 8)
 
 
+def test_a_node_with_a_cpu_fraction_sees_its_quota_and_runs_one_thread() -> None:
+    """A lab node's processes read their cgroup's quota as a container's do (the /sys of
+    `ip netns exec` has no cgroup tree; the lab mounts the node's own): 0.5 of a core gives
+    one torch thread and no loader worker, as the one-node run pinned to a core that the
+    scaling model is fed (before: two threads and a worker under a 0.5 quota)."""
+    require_namespaces()
+    lab = Lab.up(2, "1gbit", prefix=f"cq{os.getpid() % 100000}", cpu_fraction=0.5)
+    try:
+        code = (
+            "from ddp_template.launch import topology as t; "
+            "print(t.available_cores(), t.cpu_quota_cores(), t.workers_per_rank(1, 0))"
+        )
+        seen = subprocess.run(
+            lab.command(1, [sys.executable, "-c", code]),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert seen.returncode == 0, seen.stderr
+        assert seen.stdout.split() == ["1", "0.5", "0"]
+    finally:
+        lab.down()
+    # The node's mount stayed inside it.
+    assert Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").is_file()
+
+
 # --- a job of many real nodes on the lab --------------------------------------------------
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")

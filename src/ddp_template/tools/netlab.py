@@ -281,6 +281,8 @@ class Lab:
             script += (
                 f'mkdir -p "{private_disk}" && mount -t tmpfs none "{private_disk}" || exit 97; '
             )
+        if node.cgroup is not None:
+            script += _cgroup_view_script()
         cores = ",".join(str(c) for c in node.cores)
         script += f'exec taskset -c {cores} "$@"'
         command = [
@@ -614,6 +616,22 @@ def _available_memory_mb() -> float | None:
     except OSError:
         pass
     return None
+
+
+def _cgroup_view_script() -> str:
+    """Shell that mounts the cpu cgroup tree inside a node, as a container sees its own: the
+    /sys that `ip netns exec` mounts has none, and without it a node's processes could not
+    read their quota (`launch.topology.available_cores`) and would start a thread per core
+    of the machine, unlike a one-node run pinned to its core. The mount stays inside the
+    node's mount namespace."""
+    tree = CPU_CGROUPS.resolve()  # e.g. /sys/fs/cgroup/cpu,cpuacct on some machines
+    script = (
+        f"mount -t tmpfs none {tree.parent} && mkdir {tree} && "
+        f"mount -t cgroup -o {tree.name} none {tree}"
+    )
+    if tree != CPU_CGROUPS:
+        script += f" && ln -s {tree.name} {CPU_CGROUPS}"
+    return f"{{ {script}; }} || exit 95; "
 
 
 def _make_cpu_cgroup(name: str, fraction: float) -> None:
