@@ -214,9 +214,15 @@ def test_a_node_with_a_cpu_fraction_sees_its_quota_and_runs_one_thread() -> None
     require_namespaces()
     lab = Lab.up(2, "1gbit", prefix=f"cq{os.getpid() % 100000}", cpu_fraction=0.5)
     try:
+        # Threads as a rank of a DDP job sets them: the project's count, then Lightning's
+        # DDP set-up (which would go by the affinity mask alone).
         code = (
-            "from ddp_template.launch import topology as t; "
-            "print(t.available_cores(), t.cpu_quota_cores(), t.workers_per_rank(1, 0))"
+            "import torch; from ddp_template.launch import topology as t; "
+            "from ddp_template.train import _cpu_threads; "
+            "from lightning.fabric.utilities.distributed import _set_num_threads_if_needed; "
+            "\nwith _cpu_threads(1): _set_num_threads_if_needed(1); "
+            "print(t.available_cores(), t.cpu_quota_cores(), t.workers_per_rank(1, 0), "
+            "torch.get_num_threads())"
         )
         seen = subprocess.run(
             lab.command(1, [sys.executable, "-c", code]),
@@ -225,7 +231,7 @@ def test_a_node_with_a_cpu_fraction_sees_its_quota_and_runs_one_thread() -> None
             timeout=120,
         )
         assert seen.returncode == 0, seen.stderr
-        assert seen.stdout.split() == ["1", "0.5", "0"]
+        assert seen.stdout.split() == ["1", "0.5", "0", "1"]
     finally:
         lab.down()
     # The node's mount stayed inside it.

@@ -10,9 +10,11 @@ from ddp_template.launch import process_defaults  # noqa: F401  (first: before t
 
 # isort: split
 
+import contextlib
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -163,11 +165,21 @@ def _report(err: UserFacingError) -> None:
 @record_failures
 def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     """What every rank runs. Returns rank 0's results (None on the other ranks)."""
+    from ddp_template.debug import apply_debug_environment
+
+    cfg = OmegaConf.create(config)
+    # Before the process group starts: PyTorch reads these switches from the environment.
+    apply_debug_environment(cfg)
+    with _cpu_threads(int(cfg.devices)):
+        return _fit_and_test(cfg)
+
+
+def _fit_and_test(cfg: DictConfig) -> dict[str, Any] | None:
     import lightning as L
 
     from ddp_template.build import build_task, build_trainer
     from ddp_template.callbacks.ddp_settings import DDPSettingsMonitor
-    from ddp_template.debug import apply_debug_environment, explain_unused_parameters
+    from ddp_template.debug import explain_unused_parameters
     from ddp_template.resume.attempts import attempts_summary, requeue_count, restart_count
     from ddp_template.resume.decision import resume_point
     from ddp_template.worker.compiling import compile_if_asked
@@ -182,10 +194,6 @@ def fit_and_test(config: dict[str, Any]) -> dict[str, Any] | None:
     from ddp_template.worker.sharding import bare_state_dict
     from ddp_template.worker.trackers import attach_results
 
-    cfg = OmegaConf.create(config)
-    # Before the process group starts: PyTorch reads these switches from the environment.
-    apply_debug_environment(cfg)
-    _share_cpu_cores(int(cfg.devices))
     _quiet_known_warnings()
     _configure_console_logging()
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -238,15 +246,27 @@ def _leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-def _share_cpu_cores(local_processes: int) -> None:
-    """One rank per core group: without this, N ranks each start a thread per core."""
+@contextlib.contextmanager
+def _cpu_threads(local_processes: int) -> Iterator[None]:
+    """One rank per core group: without this, N ranks each start a thread per core. The
+    count goes into OMP_NUM_THREADS for the run (Lightning's DDP set-up would otherwise set
+    its own from the affinity mask alone, above a cgroup's cpu quota:
+    `_set_num_threads_if_needed`), and out again after it, so that a later run in this
+    process, or a process it starts, computes its own. A value the user exported wins."""
     if "OMP_NUM_THREADS" in os.environ:
+        yield
         return
     import torch
 
     from ddp_template.launch.topology import cores_per_process
 
-    torch.set_num_threads(cores_per_process(local_processes))
+    threads = cores_per_process(local_processes)
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_NUM_THREADS", None)
 
 
 def _configure_console_logging() -> None:
