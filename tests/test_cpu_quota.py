@@ -27,7 +27,7 @@ def _v1_group(root: Path, path: str, quota_us: int, period_us: int = 100_000) ->
 
 def test_the_tightest_quota_of_the_group_and_its_ancestors_counts(tmp_path: Path) -> None:
     proc = tmp_path / "cgroup"
-    proc.write_text("3:cpuset:/\n2:cpu:/job/step\n1:name=systemd:/job\n")
+    proc.write_text("3:cpuset:/\n2:cpu:/job/step\n1:name=systemd:/job\nnot a cgroup line\n")
     _v1_group(tmp_path, "", -1)
     _v1_group(tmp_path, "job", 150_000)
     _v1_group(tmp_path, "job/step", -1)

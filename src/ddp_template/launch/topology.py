@@ -37,7 +37,10 @@ def cpu_quota_cores(
         return None
     quotas = []
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
         if controllers == "":  # cgroup v2: one tree, cpu.max
             folders = [root]
         elif "cpu" in controllers.split(","):  # cgroup v1: the cpu controller's tree
