@@ -42,13 +42,13 @@ def cpu_quota_cores(
             continue
         _, controllers, path = fields
         if controllers == "":  # cgroup v2: one tree, cpu.max
-            folders = [root]
-        elif "cpu" in controllers.split(","):  # cgroup v1: the cpu controller's tree
-            folders = [root / controllers, root / "cpu", root / "cpu,cpuacct"]
-        else:
-            continue
-        for folder in folders:
-            quotas += _quotas_up_to_root(folder, path)
+            quotas += _quotas_up_to_root(root, path)
+        elif "cpu" in controllers.split(","):  # cgroup v1: the cpu controller's own tree
+            # Mounted under its controllers' names, or at cpu (a link on some machines).
+            mounts = [root / controllers, root / "cpu"]
+            mount = next((m for m in mounts if m.is_dir()), None)
+            if mount is not None:
+                quotas += _quotas_up_to_root(mount, path)
     return min(quotas) if quotas else None
 
 
