@@ -8,6 +8,10 @@ The ring all-reduce sends 2 (W - 1) / W of the bytes per rank, a ring all-gather
 reduce-scatter (W - 1) / W: the printout shows whether gloo's run as the ring would.
 
     .venv/bin/python benchmarks/collectives_lab.py --nodes 2,4    # as root, about 1.5 min
+    .venv/bin/python benchmarks/collectives_lab.py --nodes 2,8 --rates 200mbit,1gbit --mtus 1500,9000
+
+`--mtus`: the links' MTU, each in turn on the same lab (9000, jumbo frames, is the lab's
+default; at 1500 a shaped link wakes the receiver once per small packet).
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ def main() -> int:
     parser.add_argument("--nodes", default="2,4")
     parser.add_argument("--rates", default="200mbit,1gbit")
     parser.add_argument("--megabytes", type=float, default=42.6, help="ResNet-18's gradients")
+    parser.add_argument("--mtus", default=None, help="e.g. 1500,9000 (default: the lab's)")
     parser.add_argument("--prefix", default="cl")
     parser.add_argument(
         "--node", nargs=3, metavar=("RANK", "WORLD", "MASTER"), help=argparse.SUPPRESS
@@ -74,15 +79,16 @@ def main() -> int:
     if args.node:
         on_a_node(int(args.node[0]), int(args.node[1]), args.node[2], args.megabytes)
         return 0
-    from ddp_template.tools.netlab import Lab, parse_rate
+    from ddp_template.tools.netlab import DEFAULT_MTU, Lab, parse_rate
 
+    mtus = [int(m) for m in args.mtus.split(",")] if args.mtus else [DEFAULT_MTU]
     print(
-        "| nodes | link | all-reduce s | all-gather s | reduce-scatter s | ring's all-gather s "
-        "| CPU s of rank 0 per all-reduce |"
+        "| nodes | MTU | link | all-reduce s | all-gather s | reduce-scatter s "
+        "| ring's all-gather s | CPU s of rank 0 per all-reduce |"
     )
-    print("|---|---|---|---|---|---|---|")
-    for nodes in (int(n) for n in args.nodes.split(",")):
-        lab = Lab.up(nodes=nodes, rate=args.rates.split(",")[0], prefix=args.prefix)
+    print("|---|---|---|---|---|---|---|---|")
+    for nodes, mtu in ((int(n), m) for n in args.nodes.split(",") for m in mtus):
+        lab = Lab.up(nodes=nodes, rate=args.rates.split(",")[0], prefix=args.prefix, mtu=mtu)
         try:
             for rate in args.rates.split(","):
                 lab.set_rate(parse_rate(rate))
@@ -103,7 +109,7 @@ def main() -> int:
                 m = json.loads(outputs[0].strip().splitlines()[-1])
                 ring = (nodes - 1) / nodes * args.megabytes * 2**20 * 8 / parse_rate(rate)
                 print(
-                    f"| {nodes} | {rate} | {m['all_reduce_s']:.3f} | {m['all_gather_s']:.3f} | "
+                    f"| {nodes} | {mtu} | {rate} | {m['all_reduce_s']:.3f} | {m['all_gather_s']:.3f} | "
                     f"{m['reduce_scatter_s']:.3f} | {ring:.3f} | {m['all_reduce_cpu_s']:.3f} |",
                     flush=True,
                 )

@@ -18,7 +18,7 @@ import pytest
 from helpers.runs import FAST, ROOT, results, subprocess_env
 
 from ddp_template.errors import ConfigError, UserFacingError
-from ddp_template.tools.netlab import Lab, parse_rate, require_namespaces
+from ddp_template.tools.netlab import DEFAULT_MTU, Lab, parse_rate, require_namespaces
 
 # One SLURM and one lab at a time: under pytest-xdist (README's test command) the tests of
 # this group run in one worker, one after another (their clusters share names, addresses
@@ -149,6 +149,41 @@ def test_each_node_has_its_own_hostname_address_and_cores(lab: Lab) -> None:
     assert [s[0] for s in seen] == [n.hostname for n in lab.nodes]
     assert [s[1] for s in seen] == [n.address for n in lab.nodes]
     assert [tuple(s[2]) for s in seen] == [n.cores for n in lab.nodes]
+
+
+def test_the_links_carry_jumbo_frames(lab: Lab) -> None:
+    """Both ends of every link at the lab's MTU (9000 unless asked), as the nodes see it: at
+    1500 bytes a shaped link wakes the receiver once per small packet (docs/nodes.md)."""
+    assert lab.mtu == DEFAULT_MTU == 9000
+    for node in lab.nodes:
+        seen = subprocess.run(
+            lab.command(node.index, ["cat", f"/sys/class/net/{node.interface}/mtu"]),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        port = subprocess.run(
+            ["ip", "-n", lab.switch, "-j", "link", "show", f"p{node.index}"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert int(seen) == 9000 and json.loads(port)[0]["mtu"] == 9000
+
+
+def test_an_mtu_out_of_range_is_one_paragraph_and_builds_nothing() -> None:
+    for bad in ("100", "70000"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "ddp_template.tools.netlab", "up", "--mtu", bad]
+            + ["--prefix", "tmtu"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith(f"error: --mtu={bad} is not valid") and "Fix:" in proc.stderr
+        assert "576 to 65535" in proc.stderr and proc.stderr.count("\n") == 1
+        assert Lab.load("tmtu") is None
 
 
 # --- jobs of two nodes over the lab ----------------------------------------------------

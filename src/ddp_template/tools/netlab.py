@@ -13,7 +13,10 @@ Layout (root only; Linux network namespaces, iproute2's `ip` and `tc`):
   <prefix>-node<i>   node i: `eth0` = 10.213.<subnet>.<10+i>/24, hostname node<i>
                      (or <prefix>-node<i> names when several labs exist at once)
 Each node's `eth0` and its switch port shape their egress with a token bucket (`tc tbf`),
-so a node sends and receives at the link rate. Names resolve through
+so a node sends and receives at the link rate. The links carry jumbo frames (MTU 9000, as
+cluster data networks do; `--mtu`): at 1500 bytes the shaped link hands the receiver one
+small packet at a time, and each wake-up costs CPU that a real NIC's interrupt coalescing
+and receive offload do not (docs/nodes.md, "The lab's MTU"). Names resolve through
 /etc/netns/<namespace>/hosts, which `ip netns exec` mounts over /etc/hosts: every hostname
 maps to its link address, or, to reproduce a common misconfiguration, a node's own name to
 a loopback address (`--own-hostname loopback|debian`). A command on a node runs pinned to
@@ -51,6 +54,9 @@ LAB_MEMORY_PER_NODE_MB = 1
 # tc's rate units, in bits per second.
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 RATE_FORMAT = "a number and a unit of bits per second (e.g. 200mbit, 1gbit, 2.5gbit), or none"
+# Jumbo frames, as a cluster's data network runs them; veth takes up to 65535.
+DEFAULT_MTU = 9000
+MTU_RANGE = (576, 65535)
 OWN_HOSTNAME = {
     "link": "every hostname resolves to its node's link address (a cluster set up right)",
     "loopback": "a node's own hostname resolves to 127.0.0.1 (as this machine's /etc/hosts)",
@@ -98,6 +104,8 @@ class Lab:
     subnet: int = 0
     # The share of one core each node may use (a cgroup cpu quota), or None: no quota.
     cpu_fraction: float | None = None
+    # Every link's MTU in bytes (both ends of each veth pair and the bridge).
+    mtu: int = DEFAULT_MTU
 
     # --- building and removing ---------------------------------------------------------
 
@@ -111,14 +119,25 @@ class Lab:
         cores_per_node: int | None = None,
         cpu_fraction: float | str | None = None,
         memory_per_node_mb: float = 0,
+        mtu: int = DEFAULT_MTU,
     ) -> Lab:
         """Builds the lab, or returns the running one when it has this shape (a new rate is
         applied in place). Needs root and network namespaces. `cpu_fraction` gives each
         node that share of one core (a cgroup cpu quota; "auto": the machine's cores
         divided among the nodes); `memory_per_node_mb` is what each node will run, so that
-        a lab the machine cannot hold is refused before anything is built."""
+        a lab the machine cannot hold is refused before anything is built. `mtu`: every
+        link's MTU in bytes."""
         if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 2:
             raise ConfigError("--nodes", nodes, "an integer >= 2", "e.g. --nodes 2")
+        low, high = MTU_RANGE
+        if not isinstance(mtu, int) or isinstance(mtu, bool) or not low <= mtu <= high:
+            raise ConfigError(
+                "--mtu",
+                mtu,
+                f"an integer from {low} to {high} (bytes; 1500: plain Ethernet, 9000: jumbo "
+                "frames)",
+                f"e.g. --mtu {DEFAULT_MTU}",
+            )
         fraction = plan_capacity(nodes, cpu_fraction, memory_per_node_mb)
         if own_hostname not in OWN_HOSTNAME:
             raise ConfigError(
@@ -139,6 +158,7 @@ class Lab:
             and len(existing.nodes) == nodes
             and existing.own_hostname == own_hostname
             and existing.cpu_fraction == fraction
+            and existing.mtu == mtu
         ):
             existing.set_rate(rate_bps)
             return existing
@@ -151,6 +171,7 @@ class Lab:
             own_hostname,
             _subnet_for(prefix),
             fraction,
+            mtu,
         )
         lab.nodes = [
             replace(n, address=f"10.213.{lab.subnet}.{FIRST_HOST + n.index}") for n in lab.nodes
@@ -190,6 +211,8 @@ class Lab:
                 "netns",
                 node.namespace,
             )
+            _ip("-n", switch, "link", "set", port, "mtu", str(self.mtu))
+            _ip("-n", node.namespace, "link", "set", node.interface, "mtu", str(self.mtu))
             _ip("-n", switch, "link", "set", port, "master", "br0")
             _ip("-n", switch, "link", "set", port, "up")
             _ip("-n", node.namespace, "link", "set", "lo", "up")
@@ -216,9 +239,9 @@ class Lab:
                         capture_output=True,
                     )
                     continue
-                # A burst of ~2 ms of traffic (at least 32 KiB): the sustained rate is the
-                # rate, without starving small messages.
-                burst = max(32 * 1024, rate_bps // 8 // 500)
+                # A burst of ~2 ms of traffic (at least 32 KiB and two frames): the sustained
+                # rate is the rate, without starving small messages.
+                burst = max(32 * 1024, rate_bps // 8 // 500, 2 * (self.mtu + 64))
                 _run(
                     [
                         "tc",
@@ -260,6 +283,7 @@ class Lab:
         raw = json.loads(state.read_text())
         raw["nodes"] = [Node(**{**n, "cores": tuple(n["cores"])}) for n in raw["nodes"]]
         raw.setdefault("cpu_fraction", None)
+        raw.setdefault("mtu", 1500)
         return cls(**raw)
 
     # --- using it ------------------------------------------------------------------------
@@ -409,7 +433,7 @@ class Lab:
 
     def describe(self) -> str:
         rows = [
-            f"lab {self.prefix}: {len(self.nodes)} nodes, links {format_rate(self.rate_bps)}, own hostname: {OWN_HOSTNAME[self.own_hostname]}"
+            f"lab {self.prefix}: {len(self.nodes)} nodes, links {format_rate(self.rate_bps)} (MTU {self.mtu}), own hostname: {OWN_HOSTNAME[self.own_hostname]}"
             + (
                 f", {self.cpu_fraction:.3g} of a core per node (cgroup cpu quota)"
                 if self.cpu_fraction
@@ -698,6 +722,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="MiB each node will run (e.g. 700 for one torchrun agent and one worker): "
         "a lab the available memory cannot hold is refused",
     )
+    up.add_argument(
+        "--mtu",
+        type=int,
+        default=DEFAULT_MTU,
+        help=f"every link's MTU in bytes (default {DEFAULT_MTU}, jumbo frames; 1500: plain "
+        "Ethernet, whose small packets cost the lab's nodes CPU a real NIC spares them)",
+    )
     run = sub.add_parser(
         "run", help="run a command on one node: run NODE [--private-disk DIR] -- CMD ..."
     )
@@ -761,6 +792,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                 args.cores_per_node,
                 args.cpu_fraction,
                 args.memory_per_node,
+                args.mtu,
             ).describe()
         )
         return 0
