@@ -154,6 +154,9 @@ def test_1024_ranks_planned_from_the_command_line(tmp_path: Path) -> None:
     assert traffic["none"]["sent_per_rank"] == int(ring * parameter_bytes)
     assert traffic["fp16"]["sent_per_rank"] == int(ring * parameter_bytes / 2)
     assert traffic["powersgd"]["sent_per_rank"] < traffic["fp16"]["sent_per_rank"]
+    # One all-reduce per bucket, PyTorch's PowerSGD three (the vectors, P, Q).
+    assert traffic["none"]["all_reduces"] == traffic["fp16"]["all_reduces"] == len(sizes)
+    assert traffic["powersgd"]["all_reduces"] == 3 * len(sizes)
 
     memory = planned["memory_per_rank"]
     # The task's SGD with momentum keeps one momentum buffer per parameter.

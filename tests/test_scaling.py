@@ -260,6 +260,41 @@ def test_the_hook_probe_runs_each_hook_inside_ddp_and_leaves_no_group_behind() -
     assert not dist.is_initialized() and torch.get_num_threads() == threads
 
 
+def test_each_hook_makes_the_all_reduces_per_bucket_the_model_counts(monkeypatch) -> None:
+    """The model's latency rounds per bucket are the all-reduces the hook really makes: one
+    for fp16, three one after another for PyTorch's PowerSGD (the vectors sent whole, P,
+    Q), counted on a real DDP wrapper of one bucket with the worker's hook and state."""
+    import torch.distributed as dist
+
+    from ddp_template.tools.scaling import _probe_model
+    from ddp_template.worker.comm_hooks import comm_hook
+
+    real = dist.all_reduce
+    calls: list[int] = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    run = _run(shapes=[[64, 32], [32], [32, 16]])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for hook in ("fp16", "powersgd"):
+            model = _probe_model(run, hook, None)
+            per_step = []
+            for _ in range(4):  # PowerSGD compresses from its start step (2) on
+                calls.clear()
+                with monkeypatch.context() as patch:
+                    patch.setattr(dist, "all_reduce", counting)
+                    model(torch.ones(())).backward()
+                per_step.append(len(calls))
+            assert per_step[-1] == comm_hook(hook).all_reduces, (hook, per_step)
+    finally:
+        dist.destroy_process_group()
+    # Without a hook DDP all-reduces each bucket once, in C++ (not through dist.all_reduce).
+    assert comm_hook("none").all_reduces == 1
+
+
 def test_bucket_sizes_given_are_predicted_and_the_only_choices() -> None:
     run = _run()
     costs = {"none": 0.0, "fp16": 0.01}

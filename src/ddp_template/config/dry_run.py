@@ -331,7 +331,7 @@ def bytes_per_step(
     """Bytes each rank puts on its link per optimizer step, for every comm hook: a ring
     all-reduce sends 2 (W - 1) / W of what the hook hands it (tools/scaling.py)."""
     from ddp_template.tools.scaling import sent_bytes
-    from ddp_template.worker.comm_hooks import COMM_HOOKS
+    from ddp_template.worker.comm_hooks import COMM_HOOKS, comm_hook
 
     rank = int(cfg.strategy.get("powersgd_rank") or 1)
     ring = 2 * (world - 1) / world
@@ -345,8 +345,7 @@ def bytes_per_step(
         per_hook[hook] = {
             "all_reduced": int(handed),
             "sent_per_rank": int(ring * handed),
-            # PowerSGD all-reduces P, then Q, for every bucket.
-            "all_reduces": len(buckets) * (2 if hook == "powersgd" else 1),
+            "all_reduces": len(buckets) * comm_hook(hook).all_reduces,
         }
     return {
         "configured_hook": str(cfg.strategy.get("comm_hook") or "none"),

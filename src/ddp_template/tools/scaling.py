@@ -354,7 +354,8 @@ def predict(
     if world > 1:
         ring = 2 * (world - 1) / world
         spec = comm_hook(hook)
-        # PowerSGD makes two all-reduces per bucket (P, then Q): twice the latency.
+        # PowerSGD makes three all-reduces per bucket, one after another (the vectors sent
+        # whole, P, Q): three times the latency.
         hops = spec.all_reduces * 2 * (world - 1)
         for group, nbytes in zip(groups, sizes, strict=True):
             done_bytes += nbytes

@@ -98,7 +98,9 @@ COMM_HOOKS: dict[str, CommHook] = {
             "powersgd",
             powerSGD_hook.powerSGD_hook,
             "float32",
-            2,
+            # One after another: the vectors sent whole, then P, then Q (powerSGD_hook
+            # chains each on the one before).
+            3,
             _low_rank,
             _powersgd_state,
         ),
