@@ -65,12 +65,24 @@ def on_a_node(rank: int, world: int, master: str, megabytes: float) -> None:
         print(json.dumps(measured), flush=True)
 
 
+def _mtus(text: str) -> list[int]:
+    """`--mtus 1500,9000`; each value's range is the lab's own check (`Lab.up`)."""
+    try:
+        return [int(m) for m in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not valid: integers separated by commas. Fix: e.g. --mtus 1500,9000"
+        ) from None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", default="2,4")
     parser.add_argument("--rates", default="200mbit,1gbit")
     parser.add_argument("--megabytes", type=float, default=42.6, help="ResNet-18's gradients")
-    parser.add_argument("--mtus", default=None, help="e.g. 1500,9000 (default: the lab's)")
+    parser.add_argument(
+        "--mtus", type=_mtus, default=None, help="e.g. 1500,9000 (default: the lab's)"
+    )
     parser.add_argument("--prefix", default="cl")
     parser.add_argument(
         "--node", nargs=3, metavar=("RANK", "WORLD", "MASTER"), help=argparse.SUPPRESS
@@ -81,7 +93,7 @@ def main() -> int:
         return 0
     from ddp_template.tools.netlab import DEFAULT_MTU, Lab, parse_rate
 
-    mtus = [int(m) for m in args.mtus.split(",")] if args.mtus else [DEFAULT_MTU]
+    mtus = args.mtus or [DEFAULT_MTU]
     print(
         "| nodes | MTU | link | all-reduce s | all-gather s | reduce-scatter s "
         "| ring's all-gather s | CPU s of rank 0 per all-reduce |"

@@ -169,6 +169,14 @@ def test_the_links_carry_jumbo_frames(lab: Lab) -> None:
             check=True,
         ).stdout
         assert int(seen) == 9000 and json.loads(port)[0]["mtu"] == 9000
+    bridge = subprocess.run(
+        ["ip", "-n", lab.switch, "-j", "link", "show", "br0"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    # The bridge takes the smallest MTU of its ports.
+    assert json.loads(bridge)[0]["mtu"] == 9000
 
 
 def test_an_mtu_out_of_range_is_one_paragraph_and_builds_nothing() -> None:

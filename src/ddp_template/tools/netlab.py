@@ -104,7 +104,7 @@ class Lab:
     subnet: int = 0
     # The share of one core each node may use (a cgroup cpu quota), or None: no quota.
     cpu_fraction: float | None = None
-    # Every link's MTU in bytes (both ends of each veth pair and the bridge).
+    # Every link's MTU in bytes (both ends of each veth pair; the bridge follows its ports).
     mtu: int = DEFAULT_MTU
 
     # --- building and removing ---------------------------------------------------------
