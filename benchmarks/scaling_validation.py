@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import csv
 import json
+import math
 import os
 import re
 import signal
@@ -290,6 +291,19 @@ def lab_run(
         raise RuntimeError(f"the {nodes}-node run failed: see {folder}/node*.log")
 
 
+def lab_for(args: argparse.Namespace, nodes: int) -> Lab:
+    """The lab of `nodes` nodes at the first rate. With --link-from lab each node runs in
+    the lab's own quota of this node count's fraction (`args.current`), over the same period
+    as the one-node run: a node throttled at another period waits another time."""
+    return Lab.up(
+        nodes=nodes,
+        rate=args.rate_list[0],
+        prefix=args.prefix,
+        cpu_fraction=args.current if args.link_from == "lab" else None,
+        cpu_period_us=args.cfs_period_us,
+    )
+
+
 def measure(args: argparse.Namespace) -> None:
     port = 29500 + os.getpid() % 400
     for nodes in args.node_counts:
@@ -297,8 +311,7 @@ def measure(args: argparse.Namespace) -> None:
         wait_for_memory(2000 * nodes + 2000)
         one_node = one_node_run(args, fraction, nodes)
         wait_for_memory(2000 * nodes + 2000)
-        quota = fraction if args.link_from == "lab" else None
-        lab = Lab.up(nodes=nodes, rate=args.rate_list[0], prefix=args.prefix, cpu_fraction=quota)
+        lab = lab_for(args, nodes)
         try:
             for rate in args.rate_list:
                 lab.set_rate(parse_rate(rate))
@@ -534,6 +547,15 @@ def main() -> int:
             f"--cfs-period-us={args.cfs_period_us} is not valid: cgroup v1 takes 1000 to "
             "1000000 us. Fix: e.g. --cfs-period-us 10000"
         )
+    for nodes in args.node_counts:
+        fraction = fraction_for(nodes, args.total_cores)
+        if fraction * args.cfs_period_us < 1000:
+            parser.error(
+                f"--cfs-period-us={args.cfs_period_us} is not valid for {nodes} nodes: each "
+                f"gets {fraction:g} of a core, a quota of {fraction * args.cfs_period_us:.0f} "
+                f"us, and cgroup v1 takes none under 1000. Fix: --cfs-period-us "
+                f"{math.ceil(1000 / fraction)} or more"
+            )
     args.rate_list = [r for r in args.rates.split(",") if r]
     recorded = args.out / PERIOD_FILE
     if not args.report_only and recorded.is_file():

@@ -285,6 +285,20 @@ def test_the_validations_quota_period_out_of_range_is_refused_before_anything_ru
     assert not out.exists()
 
 
+def test_the_validation_refuses_a_period_too_short_for_a_nodes_quota(tmp_path: Path) -> None:
+    """8 nodes of 0.2 core at a 4 ms period would be a quota of 800 us, which cgroup v1
+    refuses: the script says so in one paragraph before it makes anything (before: the
+    kernel's EINVAL from a cgroup file, after the 2-node runs)."""
+    out = tmp_path / "out"
+    proc = run_script(
+        "scaling_validation.py", "--nodes", "2,8", "--cfs-period-us", "4000", "--out", str(out)
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "--cfs-period-us=4000 is not valid for 8 nodes: each gets 0.2 of a core" in proc.stderr
+    assert "Fix: --cfs-period-us 5000 or more" in proc.stderr
+    assert not out.exists()
+
+
 def test_the_validation_refuses_another_quota_period_into_a_folder_measured_with_one(
     tmp_path: Path,
 ) -> None:

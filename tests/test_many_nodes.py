@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import psutil
@@ -204,6 +205,67 @@ def test_a_cpu_fraction_is_each_nodes_share_of_the_cores() -> None:
     assert plan_capacity(8, "auto", 0) == pytest.approx(cores / 8)
     assert plan_capacity(8, None, 0) is None
     assert plan_capacity(8, str(cores / 8), 0) == pytest.approx(cores / 8)
+
+
+def test_the_lab_holds_each_nodes_quota_over_the_period_asked() -> None:
+    """A node of 0.2 core at a 5 ms period runs 1 ms and waits at most 4; at the kernel's
+    100 ms it waits up to 80, and every barrier of a job waits for the node stopped longest.
+    The validation's lab (`scaling_validation.lab_for`) holds its nodes at the period its
+    one-node run had (before: the lab's cgroups kept the kernel's 100 ms whatever the
+    validation was asked)."""
+    require_namespaces()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import scaling_validation
+
+    prefix = f"cp{os.getpid() % 100000}"
+    args = SimpleNamespace(
+        rate_list=["1gbit"], prefix=prefix, current=0.2, link_from="lab", cfs_period_us=5000
+    )
+    lab = scaling_validation.lab_for(args, 2)
+    try:
+        for node in lab.nodes:
+            group = Path("/sys/fs/cgroup/cpu") / str(node.cgroup)
+            assert (group / "cpu.cfs_period_us").read_text().strip() == "5000"
+            assert (group / "cpu.cfs_quota_us").read_text().strip() == "1000"
+        seen = subprocess.run(
+            lab.command(1, [sys.executable, "-c", QUOTA_SEEN]),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert seen.returncode == 0, seen.stderr
+        assert seen.stdout.split() == ["0.2"]
+        assert "0.2 of a core per node (cgroup cpu quota, period 5 ms)" in lab.describe()
+    finally:
+        lab.down()
+
+
+QUOTA_SEEN = "from ddp_template.launch import topology as t; print(t.cpu_quota_cores())"
+
+
+@pytest.mark.parametrize(
+    ("fraction", "period", "says"),
+    [
+        ("0.2", "4000", "a period that holds 0.2 of a core"),
+        ("0.5", "500", "an integer from 1000 to 1000000"),
+    ],
+)
+def test_a_quota_period_the_kernel_cannot_hold_is_one_paragraph_and_builds_nothing(
+    fraction: str, period: str, says: str
+) -> None:
+    prefix = f"cb{os.getpid() % 100000}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddp_template.tools.netlab", "up", "--nodes", "2"]
+        + ["--cpu-fraction", fraction, "--cpu-period-us", period, "--prefix", prefix],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"error: --cpu-period-us={period} is not valid"), proc.stderr
+    assert says in proc.stderr and "Fix:" in proc.stderr and proc.stderr.count("\n") == 1
+    assert Lab.load(prefix) is None
+    assert not (Path("/sys/fs/cgroup/cpu") / f"{prefix}-node0").exists()
 
 
 def test_a_node_with_a_cpu_fraction_sees_its_quota_and_runs_one_thread() -> None:

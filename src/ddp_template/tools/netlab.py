@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -54,6 +55,11 @@ LAB_MEMORY_PER_NODE_MB = 1
 # tc's rate units, in bits per second.
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 RATE_FORMAT = "a number and a unit of bits per second (e.g. 200mbit, 1gbit, 2.5gbit), or none"
+# A node's cpu quota is enforced per period: a node of fraction f runs f x period, then waits
+# up to (1 - f) x period. cgroup v1 takes periods of 1 ms to 1 s and no quota under 1 ms.
+DEFAULT_CPU_PERIOD_US = 100_000
+CPU_PERIOD_RANGE_US = (1_000, 1_000_000)
+MIN_CPU_QUOTA_US = 1_000
 # Jumbo frames, as a cluster's data network runs them; veth takes up to 65535.
 DEFAULT_MTU = 9000
 MTU_RANGE = (576, 65535)
@@ -106,6 +112,8 @@ class Lab:
     cpu_fraction: float | None = None
     # Every link's MTU in bytes (both ends of each veth pair; the bridge follows its ports).
     mtu: int = DEFAULT_MTU
+    # The period of each node's cpu quota (with cpu_fraction), in microseconds.
+    cpu_period_us: int = DEFAULT_CPU_PERIOD_US
 
     # --- building and removing ---------------------------------------------------------
 
@@ -120,13 +128,15 @@ class Lab:
         cpu_fraction: float | str | None = None,
         memory_per_node_mb: float = 0,
         mtu: int = DEFAULT_MTU,
+        cpu_period_us: int = DEFAULT_CPU_PERIOD_US,
     ) -> Lab:
         """Builds the lab, or returns the running one when it has this shape (a new rate is
         applied in place). Needs root and network namespaces. `cpu_fraction` gives each
         node that share of one core (a cgroup cpu quota; "auto": the machine's cores
         divided among the nodes); `memory_per_node_mb` is what each node will run, so that
         a lab the machine cannot hold is refused before anything is built. `mtu`: every
-        link's MTU in bytes."""
+        link's MTU in bytes. `cpu_period_us`: the period over which the quota holds (a
+        throttled node waits up to (1 - fraction) x period)."""
         if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 2:
             raise ConfigError("--nodes", nodes, "an integer >= 2", "e.g. --nodes 2")
         low, high = MTU_RANGE
@@ -139,6 +149,7 @@ class Lab:
                 f"e.g. --mtu {DEFAULT_MTU}",
             )
         fraction = plan_capacity(nodes, cpu_fraction, memory_per_node_mb)
+        check_cpu_period(cpu_period_us, fraction)
         if own_hostname not in OWN_HOSTNAME:
             raise ConfigError(
                 "--own-hostname", own_hostname, _choices(OWN_HOSTNAME), "--own-hostname link"
@@ -159,6 +170,7 @@ class Lab:
             and existing.own_hostname == own_hostname
             and existing.cpu_fraction == fraction
             and existing.mtu == mtu
+            and existing.cpu_period_us == cpu_period_us
         ):
             existing.set_rate(rate_bps)
             return existing
@@ -172,6 +184,7 @@ class Lab:
             _subnet_for(prefix),
             fraction,
             mtu,
+            cpu_period_us,
         )
         lab.nodes = [
             replace(n, address=f"10.213.{lab.subnet}.{FIRST_HOST + n.index}") for n in lab.nodes
@@ -189,7 +202,7 @@ class Lab:
         self._state_file().write_text(json.dumps(asdict(self), indent=2))
         for node in self.nodes:
             if node.cgroup is not None:
-                _make_cpu_cgroup(node.cgroup, self.cpu_fraction or 1.0)
+                _make_cpu_cgroup(node.cgroup, self.cpu_fraction or 1.0, self.cpu_period_us)
         switch = self.switch
         _ip("netns", "add", switch)
         _ip("-n", switch, "link", "add", "br0", "type", "bridge")
@@ -284,6 +297,7 @@ class Lab:
         raw["nodes"] = [Node(**{**n, "cores": tuple(n["cores"])}) for n in raw["nodes"]]
         raw.setdefault("cpu_fraction", None)
         raw.setdefault("mtu", 1500)
+        raw.setdefault("cpu_period_us", DEFAULT_CPU_PERIOD_US)
         return cls(**raw)
 
     # --- using it ------------------------------------------------------------------------
@@ -435,7 +449,8 @@ class Lab:
         rows = [
             f"lab {self.prefix}: {len(self.nodes)} nodes, links {format_rate(self.rate_bps)} (MTU {self.mtu}), own hostname: {OWN_HOSTNAME[self.own_hostname]}"
             + (
-                f", {self.cpu_fraction:.3g} of a core per node (cgroup cpu quota)"
+                f", {self.cpu_fraction:.3g} of a core per node (cgroup cpu quota, period "
+                f"{self.cpu_period_us / 1000:g} ms)"
                 if self.cpu_fraction
                 else ""
             )
@@ -658,11 +673,38 @@ def _cgroup_view_script() -> str:
     return f"{{ {script}; }} || exit 95; "
 
 
-def _make_cpu_cgroup(name: str, fraction: float) -> None:
+def check_cpu_period(period_us: object, fraction: float | None) -> None:
+    """A quota period cgroup v1 takes, long enough to hold `fraction` (a quota of at least
+    1 ms), before anything is built."""
+    low, high = CPU_PERIOD_RANGE_US
+    if (
+        not isinstance(period_us, int)
+        or isinstance(period_us, bool)
+        or not low <= period_us <= high
+    ):
+        raise ConfigError(
+            "--cpu-period-us",
+            period_us,
+            f"an integer from {low} to {high} (microseconds, cgroup v1's range)",
+            f"e.g. --cpu-period-us {DEFAULT_CPU_PERIOD_US}",
+        )
+    if fraction and fraction * period_us < MIN_CPU_QUOTA_US:
+        shortest = math.ceil(MIN_CPU_QUOTA_US / fraction)
+        raise ConfigError(
+            "--cpu-period-us",
+            period_us,
+            f"a period that holds {fraction:g} of a core: cgroup v1 takes no quota under "
+            f"{MIN_CPU_QUOTA_US} us, so at least {shortest}",
+            f"e.g. --cpu-period-us {shortest}",
+        )
+
+
+def _make_cpu_cgroup(name: str, fraction: float, period_us: int) -> None:
     folder = CPU_CGROUPS / name
     folder.mkdir(exist_ok=True)
-    period = int((folder / "cpu.cfs_period_us").read_text())
-    (folder / "cpu.cfs_quota_us").write_text(str(max(1000, round(fraction * period))))
+    # The period first: the quota is a share of it.
+    (folder / "cpu.cfs_period_us").write_text(str(period_us))
+    (folder / "cpu.cfs_quota_us").write_text(str(round(fraction * period_us)))
 
 
 def _remove_cpu_cgroup(name: str) -> None:
@@ -729,6 +771,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"every link's MTU in bytes (default {DEFAULT_MTU}, jumbo frames; 1500: plain "
         "Ethernet, whose small packets cost the lab's nodes CPU a real NIC spares them)",
     )
+    up.add_argument(
+        "--cpu-period-us",
+        type=int,
+        default=DEFAULT_CPU_PERIOD_US,
+        help="with --cpu-fraction: the quota's period in microseconds (1000-1000000; default "
+        "100000, the kernel's): a throttled node waits up to (1 - fraction) x period",
+    )
     run = sub.add_parser(
         "run", help="run a command on one node: run NODE [--private-disk DIR] -- CMD ..."
     )
@@ -793,6 +842,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                 args.cpu_fraction,
                 args.memory_per_node,
                 args.mtu,
+                args.cpu_period_us,
             ).describe()
         )
         return 0
