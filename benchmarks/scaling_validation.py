@@ -13,7 +13,8 @@ fraction it runs, in order:
 3. the N-node job on the lab (`ddp_template.tools.netlab`, one namespace per node, links
    shaped to the rate), one torchrun agent per node, each node in its own quota, for every
    setting: comm_hook=none at bucket_cap_mb=1,25,100 and fp16, powersgd at 25 (`--full`:
-   every hook at every bucket size).
+   every hook at every bucket size); `--repeats R` goes through them R times and takes the
+   median of each setting's runs.
 
 No figure from the N-node jobs goes into a prediction. Prints predicted against measured
 step time with the error per setting, and per case (node count x rate) the setting the
@@ -35,6 +36,7 @@ import math
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -304,6 +306,12 @@ def lab_for(args: argparse.Namespace, nodes: int) -> Lab:
     )
 
 
+def job_folder(out: Path, nodes: int, rate: str, hook: str, bucket: int, repeat: int) -> Path:
+    """Where a lab job writes; the first run of a setting keeps the name it always had."""
+    name = f"{hook}_{bucket}" + (f"_r{repeat + 1}" if repeat else "")
+    return out / f"{nodes}nodes_{rate}" / name
+
+
 def measure(args: argparse.Namespace) -> None:
     port = 29500 + os.getpid() % 400
     for nodes in args.node_counts:
@@ -320,21 +328,24 @@ def measure(args: argparse.Namespace) -> None:
                         args.prefix, f"{args.prefix}-node0", fraction, args.cfs_period_us
                     )
                     predict_with_the_command(args, one_node, nodes, rate, group)
-                for hook, bucket in grid(args.full):
-                    port += 1
-                    folder = args.out / f"{nodes}nodes_{rate}" / f"{hook}_{bucket}"
-                    overrides = [
-                        *train_args(args, args.warmup, args.steps),
-                        f"strategy.comm_hook={hook}",
-                        f"strategy.bucket_cap_mb={bucket}",
-                    ]
-                    started = time.monotonic()
-                    lab_run(args, lab, folder, overrides, port)
-                    print(
-                        f"{nodes} nodes x {fraction} core, {rate}, {hook} {bucket}: "
-                        f"{time.monotonic() - started:.0f} s",
-                        flush=True,
-                    )
+                # Each repeat goes once through the grid: a slow spell of the machine falls
+                # on one run of several settings, not on every run of one.
+                for repeat in range(args.repeats):
+                    for hook, bucket in grid(args.full):
+                        port += 1
+                        folder = job_folder(args.out, nodes, rate, hook, bucket, repeat)
+                        overrides = [
+                            *train_args(args, args.warmup, args.steps),
+                            f"strategy.comm_hook={hook}",
+                            f"strategy.bucket_cap_mb={bucket}",
+                        ]
+                        started = time.monotonic()
+                        lab_run(args, lab, folder, overrides, port)
+                        print(
+                            f"{nodes} nodes x {fraction} core, {rate}, {hook} {bucket}, run "
+                            f"{repeat + 1}: {time.monotonic() - started:.0f} s",
+                            flush=True,
+                        )
         finally:
             lab.down()
 
@@ -400,14 +411,18 @@ def rows_of(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
             parts = predicted_parts(args.out / f"predicted_{nodes}_{rate}.txt")
             measured = {}
             for hook, bucket in grid(args.full):
-                results = args.out / f"{nodes}nodes_{rate}" / f"{hook}_{bucket}" / "results.json"
-                if not results.is_file():
+                records = []
+                for repeat in range(args.repeats):
+                    folder = job_folder(args.out, nodes, rate, hook, bucket, repeat)
+                    if (folder / "results.json").is_file():
+                        records.append(json.loads((folder / "results.json").read_text()))
+                        assert records[-1]["world_size"] == nodes, folder
+                if not records:
                     continue
-                record = json.loads(results.read_text())
-                measured[(hook, bucket)] = float(record["step_time_median_s"])
-                assert record["world_size"] == nodes, results
-                step = measured[(hook, bucket)]
-                lab_compute, lab_exposed = measured_parts(record)
+                # The median of the runs, of the step and of each of its parts.
+                steps = [float(r["step_time_median_s"]) for r in records]
+                step = measured[(hook, bucket)] = statistics.median(steps)
+                lab_compute, lab_exposed = _median_parts(records)
                 rows.append(
                     {
                         "nodes": nodes,
@@ -416,6 +431,9 @@ def rows_of(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
                         "rate": rate,
                         "comm_hook": hook,
                         "bucket_cap_mb": bucket,
+                        "runs": len(records),
+                        # The slowest run over the fastest, minus one: the lab's own spread.
+                        "runs_spread": round(max(steps) / min(steps) - 1, 4),
                         "measured_step_s": round(step, 4),
                         "predicted_step_s": round(predicted[(hook, bucket)], 4),
                         "error": round(predicted[(hook, bucket)] / step - 1, 4),
@@ -451,6 +469,17 @@ def rows_of(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     return rows, cases
 
 
+def _median_parts(records: list[dict]) -> tuple[float | None, float | None]:
+    """The median of each part over the runs that recorded it."""
+    parts = [measured_parts(r) for r in records]
+    computes = [c for c, _ in parts if c is not None]
+    exposed = [float(e) for _, e in parts if e is not None]
+    return (
+        statistics.median(computes) if computes else None,
+        statistics.median(exposed) if exposed else None,
+    )
+
+
 def _figure(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
@@ -469,13 +498,15 @@ def write(args: argparse.Namespace, rows: list[dict], cases: list[dict]) -> None
         json.dumps({"rows": rows, "cases": cases}, indent=2)
     )
     lines = [
-        "| nodes x core | link | comm_hook | bucket_cap_mb | measured step s | predicted s | error "
-        "| measured F + B s | predicted compute s | measured exposed s | predicted exposed s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| nodes x core | link | comm_hook | bucket_cap_mb | runs (spread) | measured step s "
+        "| predicted s | error | measured F + B s | predicted compute s | measured exposed s "
+        "| predicted exposed s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['nodes']} x {r['core_fraction']} | {r['rate']} | {r['comm_hook']} | "
-        f"{r['bucket_cap_mb']} | {r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | "
+        f"{r['bucket_cap_mb']} | {r['runs']} ({r['runs_spread']:.0%}) | "
+        f"{r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | "
         f"{r['error']:+.1%} | {_figure(r.get('measured_forward_backward_s'))} | "
         f"{_figure(r.get('predicted_compute_s'))} | {_figure(r.get('measured_exposed_comm_s'))} | "
         f"{_figure(r.get('predicted_exposed_comm_s'))} |"
@@ -526,6 +557,13 @@ def main() -> int:
     add_run_arguments(parser, "2,4,8", "scaling_validation", "sv")
     parser.add_argument("--full", action="store_true", help="every hook at every bucket size")
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each lab job (each repeat goes once through the grid); the table takes "
+        "the median of the runs and their spread",
+    )
+    parser.add_argument(
         "--cfs-period-us",
         type=int,
         default=DEFAULT_PERIOD_US,
@@ -542,6 +580,11 @@ def main() -> int:
     )
     args = parser.parse_args()
     args.node_counts = [int(n) for n in args.nodes.split(",")]
+    if args.repeats < 1:
+        parser.error(
+            f"--repeats={args.repeats} is not valid: at least one run of each job. "
+            "Fix: e.g. --repeats 3"
+        )
     if not 1000 <= args.cfs_period_us <= 1_000_000:
         parser.error(
             f"--cfs-period-us={args.cfs_period_us} is not valid: cgroup v1 takes 1000 to "

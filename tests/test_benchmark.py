@@ -314,6 +314,70 @@ def test_the_validation_refuses_another_quota_period_into_a_folder_measured_with
     assert sorted(p.name for p in out.iterdir()) == ["cfs_period_us.txt"]
 
 
+def test_the_validation_report_takes_the_median_of_repeated_runs(tmp_path: Path) -> None:
+    """`scaling_validation.py --repeats 3 --report-only`: each setting's measured step is the
+    median of its runs (one slow run of three moves nothing), the spread is shown, and the
+    recommendation is judged against those medians."""
+    out = tmp_path / "out"
+    out.mkdir()
+    lines = [
+        f"nodes=2 hook={hook} bucket_cap_mb={bucket} compute 0.500 s exposed comm 0.100 s "
+        f"data wait 0.001 s predicted step time: {step:.3f} s"
+        for hook, bucket, step in (
+            ("none", 1, 2.0),
+            ("none", 25, 2.1),
+            ("none", 100, 2.2),
+            ("fp16", 25, 1.5),
+            ("powersgd", 25, 1.0),
+        )
+    ]
+    lines += [
+        "hook compute per step (probe): none 0 ms, fp16 10 ms, powersgd 60 ms",
+        "recommended at nodes=2: strategy.comm_hook=powersgd strategy.bucket_cap_mb=25 (...)",
+    ]
+    (out / "predicted_2_200mbit.txt").write_text("\n".join(lines) + "\n")
+    runs = {"none_1": [2.0], "powersgd_25": [1.0, 1.9, 1.1], "fp16_25": [1.2, 1.25]}
+    for name, steps in runs.items():
+        for index, step in enumerate(steps):
+            folder = out / "2nodes_200mbit" / (name + (f"_r{index + 1}" if index else ""))
+            folder.mkdir(parents=True)
+            record = {"world_size": 2, "step_time_median_s": step, "exposed_comm_s": 0.1}
+            (folder / "results.json").write_text(json.dumps(record))
+    proc = run_script(
+        "scaling_validation.py",
+        *("--nodes", "2", "--rates", "200mbit", "--repeats", "3"),
+        *("--out", str(out), "--report-only"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "| 2 x 0.8 | 200mbit | powersgd | 25 | 3 (90%) | 1.100 | 1.000 | -9.1% |" in proc.stdout
+    assert "| 2 x 0.8 | 200mbit | fp16 | 25 | 2 (4%) | 1.225 | 1.500 | +22.4% |" in proc.stdout
+    assert "| 2 x 0.8 | 200mbit | none | 1 | 1 (0%) | 2.000 | 2.000 | +0.0% |" in proc.stdout
+    # PowerSGD's median (1.100) is the measured best: the recommendation holds.
+    assert "| 2 | 200mbit | powersgd 25 (1.100) | powersgd 25 (1.100) | +0.0% |" in proc.stdout
+    # Without the repeats only the first runs count: PowerSGD's 1.000.
+    once = run_script(
+        "scaling_validation.py",
+        "--nodes",
+        "2",
+        "--rates",
+        "200mbit",
+        "--out",
+        str(out),
+        "--report-only",
+    )
+    assert "| powersgd | 25 | 1 (0%) | 1.000 | 1.000 | +0.0% |" in once.stdout
+
+
+@pytest.mark.parametrize("repeats", ["0", "-1"])
+def test_the_validation_refuses_fewer_than_one_run(repeats: str, tmp_path: Path) -> None:
+    proc = run_script(
+        "scaling_validation.py", "--nodes", "2", "--repeats", repeats, "--out", str(tmp_path / "o")
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert f"--repeats={repeats} is not valid: at least one run" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
 def test_the_fsdp_lab_report_sets_each_strategy_beside_its_prediction_and_ddp(
     tmp_path: Path,
 ) -> None:
