@@ -45,7 +45,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from ddp_template.tools.netlab import Lab, parse_rate  # noqa: E402
+from ddp_template.tools.netlab import (  # noqa: E402
+    CPU_PERIOD_RANGE_US,
+    MIN_CPU_QUOTA_US,
+    Lab,
+    parse_rate,
+)
 
 CGROUP = Path("/sys/fs/cgroup/cpu")
 DEFAULT_PERIOD_US = 100_000
@@ -629,19 +634,21 @@ def main() -> int:
             f"--repeats={args.repeats} is not valid: at least one run of each job. "
             "Fix: e.g. --repeats 3"
         )
-    if not 1000 <= args.cfs_period_us <= 1_000_000:
+    # cgroup v1's limits, as the lab checks them (netlab.check_cpu_period) for its own option.
+    low, high = CPU_PERIOD_RANGE_US
+    if not low <= args.cfs_period_us <= high:
         parser.error(
-            f"--cfs-period-us={args.cfs_period_us} is not valid: cgroup v1 takes 1000 to "
-            "1000000 us. Fix: e.g. --cfs-period-us 10000"
+            f"--cfs-period-us={args.cfs_period_us} is not valid: cgroup v1 takes {low} to "
+            f"{high} us. Fix: e.g. --cfs-period-us 10000"
         )
     for nodes in args.node_counts:
         fraction = fraction_for(nodes, args.total_cores)
-        if fraction * args.cfs_period_us < 1000:
+        if fraction * args.cfs_period_us < MIN_CPU_QUOTA_US:
             parser.error(
                 f"--cfs-period-us={args.cfs_period_us} is not valid for {nodes} nodes: each "
                 f"gets {fraction:g} of a core, a quota of {fraction * args.cfs_period_us:.0f} "
-                f"us, and cgroup v1 takes none under 1000. Fix: --cfs-period-us "
-                f"{math.ceil(1000 / fraction)} or more"
+                f"us, and cgroup v1 takes none under {MIN_CPU_QUOTA_US}. Fix: --cfs-period-us "
+                f"{math.ceil(MIN_CPU_QUOTA_US / fraction)} or more"
             )
     args.rate_list = [r for r in args.rates.split(",") if r]
     recorded = args.out / PERIOD_FILE

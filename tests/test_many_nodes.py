@@ -227,20 +227,25 @@ def test_the_lab_holds_each_nodes_quota_over_the_period_asked() -> None:
             group = Path("/sys/fs/cgroup/cpu") / str(node.cgroup)
             assert (group / "cpu.cfs_period_us").read_text().strip() == "5000"
             assert (group / "cpu.cfs_quota_us").read_text().strip() == "1000"
-        seen = subprocess.run(
-            lab.command(1, [sys.executable, "-c", QUOTA_SEEN]),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert seen.returncode == 0, seen.stderr
-        assert seen.stdout.split() == ["0.2"]
+        assert python_on_node(lab, 1, QUOTA_SEEN) == ["0.2"]
         assert "0.2 of a core per node (cgroup cpu quota, period 5 ms)" in lab.describe()
     finally:
         lab.down()
 
 
 QUOTA_SEEN = "from ddp_template.launch import topology as t; print(t.cpu_quota_cores())"
+
+
+def python_on_node(lab: Lab, index: int, code: str) -> list[str]:
+    """The words `code` prints, run by this interpreter on node `index` of the lab."""
+    seen = subprocess.run(
+        lab.command(index, [sys.executable, "-c", code]),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert seen.returncode == 0, seen.stderr
+    return seen.stdout.split()
 
 
 @pytest.mark.parametrize(
@@ -286,14 +291,7 @@ def test_a_node_with_a_cpu_fraction_sees_its_quota_and_runs_one_thread() -> None
             "print(t.available_cores(), t.cpu_quota_cores(), t.workers_per_rank(1, 0), "
             "torch.get_num_threads())"
         )
-        seen = subprocess.run(
-            lab.command(1, [sys.executable, "-c", code]),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert seen.returncode == 0, seen.stderr
-        assert seen.stdout.split() == ["1", "0.5", "0", "1"]
+        assert python_on_node(lab, 1, code) == ["1", "0.5", "0", "1"]
     finally:
         lab.down()
     # The node's mount stayed inside it.
