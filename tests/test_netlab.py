@@ -475,6 +475,26 @@ def test_probe_readings_that_disagree_or_fall_short_are_named() -> None:
     assert latency.startswith("warning: the latency per hop read 50 to 26,986 us")
 
 
+def test_the_probes_size_ladder_is_printed_beside_the_models_time_and_the_sum() -> None:
+    """Each all-reduce of the ladder beside the model's time (the longer of the bytes' time
+    and the hops' waits) and the two added up: at 4 nodes, 1 ms a hop and 1 Gbit/s, 6 ms
+    of waits; 4 KiB send 1.5 x 4 KiB in 49 us (the waits count), 4 MiB in 50.3 ms (the
+    bytes count, the sum 56.3)."""
+    from ddp_template.tools.netlab import ladder_line
+
+    measured = {
+        "world": 4,
+        "latency_s": 1e-3,
+        "bandwidth_bps": {"float32": 1e9},
+        "float32_seconds_by_bytes": [[4096.0, 6.5e-3], [float(4 << 20), 52e-3]],
+    }
+    assert ladder_line(measured) == (
+        "all-reduce float32 by size: 4 KiB 6.5 ms (model 6.0, sum 6.0); "
+        "4 MiB 52.0 ms (model 50.3, sum 56.3)"
+    )
+    assert ladder_line({**measured, "float32_seconds_by_bytes": []}).endswith("not measured")
+
+
 def _docs_lab_recipe() -> str:
     """The fenced block of docs/nodes.md that builds a lab, trains on it and removes it."""
     text = (ROOT / "docs" / "nodes.md").read_text()

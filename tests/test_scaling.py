@@ -97,6 +97,38 @@ def test_the_ring_costs_what_the_formula_says() -> None:
     p = predict(run, 4, "none", link, 0.0, 100)
     wire = 2 * 3 / 4 * 1024 * 1024 * 4 * 8 / 1e9
     assert p.exposed_comm_s == pytest.approx(wire)
+    # The longer of the bits' time and the 2 (W - 1) waits, not their sum (the ring's
+    # segments in flight hide one behind the other): a slow hop bounds a small bucket,
+    # a fast one leaves the bits' time.
+    slow_hops = Link.rated(1e9, latency_s=wire)
+    assert predict(run, 4, "none", slow_hops, 0.0, 100).exposed_comm_s == pytest.approx(6 * wire)
+    fast_hops = Link.rated(1e9, latency_s=wire / 12)
+    assert predict(run, 4, "none", fast_hops, 0.0, 100).exposed_comm_s == pytest.approx(wire)
+
+
+def _gloo_ring_segments(elements: int, world: int, element_bytes: int = 4) -> list[int]:
+    """Bytes of each segment gloo's ring all-reduce cuts a tensor into (gloo/allreduce.cc,
+    `ring`: at least 2 W segments, a multiple of W, each rounded up to whole elements;
+    a segment past the end is empty and not sent). Large tensors make more segments, of
+    at most gloo's largest segment; the probe's small one is far below it."""
+    total = elements * element_bytes
+    count = math.ceil(2 * world / world) * world
+    size = math.ceil(math.ceil(total / count) / element_bytes) * element_bytes
+    return [max(0, min(size, total - k * size)) for k in range(count)]
+
+
+def test_the_latency_probe_puts_data_on_every_hop_of_gloos_ring() -> None:
+    """The probe's small all-reduce makes every hop a bucket makes: no segment of gloo's
+    ring is empty at any world size, while the 8 floats it used to send leave half the
+    segments empty at 8 nodes (those hops are skipped: it read 1.7-1.9 ms a hop on the
+    lab where every real all-reduce waited 4.6)."""
+    from ddp_template.tools.allreduce_probe import latency_elements
+
+    for world in (2, 3, 4, 5, 8, 13, 32, 128, 1024):
+        segments = _gloo_ring_segments(latency_elements(world), world)
+        assert len(segments) == 2 * world and min(segments) > 0, world
+        assert latency_elements(world) * 4 <= 32 * 2 * world  # small: the waits, not bytes
+    assert _gloo_ring_segments(8, 8).count(0) == 8
 
 
 def test_the_overlapped_schedule_without_contention_is_the_plain_one() -> None:
@@ -174,6 +206,9 @@ def test_the_all_reduce_probe_measures_the_link_while_the_ranks_compute(tmp_path
     assert busy["bandwidth_bps"] > 0 and busy["latency_s"] > 0
     assert measured["all_gather_bandwidth_bps"] > 0
     assert len(measured["all_gather_readings_bps"]) == 5
+    ladder = measured["float32_seconds_by_bytes"]
+    assert [size for size, _ in ladder] == [2 * 2 * 8 * 4, 4 << 10, 64 << 10, 1 << 20, 4 << 20]
+    assert all(seconds > 0 for _, seconds in ladder)
     link = Link.probed(measured)
     assert link.compute_share == busy["compute_share"]
     assert link.gather_bandwidth_bps == measured["all_gather_bandwidth_bps"]
@@ -236,9 +271,12 @@ def test_overlap_hides_communication_behind_the_backward_except_powersgd_on_gloo
     hidden = predict(_run(), 2, "none", link, 0.0, None, overlap=1.0)
     serial = predict(_run(), 2, "none", link, 0.0, None, overlap=0.0)
     assert hidden.exposed_comm_s < serial.exposed_comm_s
+    # Each bucket the longer of its bits' time and its 2 (W - 1) waits of 50 us.
     assert serial.exposed_comm_s == pytest.approx(
-        sum(sent_bytes(s, 4, "none", 1) for s in SHAPES) * 8 / 10e9
-        + len(buckets(SHAPES, 4, None)) * 2 * 50e-6,
+        sum(
+            max(sum(sent_bytes(SHAPES[i], 4, "none", 1) for i in group) * 8 / 10e9, 2 * 50e-6)
+            for group in buckets(SHAPES, 4, None)
+        ),
         rel=0.01,
     )
     # PowerSGD on gloo waits for each bucket inside the backward: nothing hidden there.
@@ -406,7 +444,7 @@ def test_the_fsdp_schedule_on_a_rated_link_is_the_plain_recurrence() -> None:
         world = nodes
 
         def seconds(nbytes: int, factor: float, rate: float = rate, world: int = world) -> float:
-            return factor * nbytes * 8 / rate + round(factor * world) * 1e-4
+            return max(factor * nbytes * 8 / rate, round(factor * world) * 1e-4)
 
         total = sum(sizes)
         ring, scatter = (world - 1) / world, reduce_scatter_factor(backend, world)

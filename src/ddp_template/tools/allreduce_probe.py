@@ -2,14 +2,24 @@
 
     python -m ddp_template.tools.allreduce_probe --rank R --world W --master HOST:PORT
 
-Rank 0 prints one JSON line: the latency of a tiny all-reduce (per ring hop) and, for each
+Rank 0 prints one JSON line: the latency of a small all-reduce (per ring hop) and, for each
 dtype DDP's hooks send (float32: none and PowerSGD, float16, bfloat16), the effective
 bandwidth of a large one in bit/s, counted as the model counts it (each rank sends
 2 (W - 1) / W of the bytes); and of FSDP's all-gather (float32), counted as a ring's.
 That folds in what the link rate alone does not say: the TCP stack's and gloo's cost on
-the node's cores, and gloo's summation of half-width numbers on the CPU. Each figure is the median of several readings, which are kept beside it
-(`latency_readings_s`, `bandwidth_readings_bps`): `ddp_template.tools.netlab`'s
-`Lab.allreduce_probe` runs it on every node and warns when they disagree.
+the node's cores, and gloo's summation of half-width numbers on the CPU. Each figure is
+the median of several readings, which are kept beside it (`latency_readings_s`,
+`bandwidth_readings_bps`): `ddp_template.tools.netlab`'s `Lab.allreduce_probe` runs it on
+every node and warns when they disagree.
+
+The small all-reduce puts data on every hop of gloo's ring (`latency_elements`): gloo cuts
+a tensor into at least 2 W segments and sends none of the empty ones, so a tensor of
+fewer elements (8 floats at 8 nodes) makes fewer hops than any bucket DDP sends: it read
+1.7-1.9 ms a hop on the lab where every all-reduce of 64 floats to 32 KiB waited 4.6
+(docs/nodes.md). The model (`ddp_template.tools.scaling`) takes the longer of the
+latency's time and the bandwidth's, not their sum (gloo keeps two segments in flight, a
+hop's wait hides behind the next segment's transfer), so the large all-reduce's time is
+counted as all bandwidth.
 
 `under_compute` measures the same all-reduces again while every rank computes (a loop of
 matrix products on its main thread, as the backward computes while DDP's buckets are on
@@ -42,10 +52,10 @@ def measure(megabytes: float, repeats: int) -> dict[str, object]:
 
     world = dist.get_world_size()
     hops = 2 * (world - 1)
-    tiny = torch.zeros(8)
+    small = torch.zeros(latency_elements(world))
     for _ in range(3):
-        dist.all_reduce(tiny)
-    latencies = [_timed(lambda: dist.all_reduce(tiny)) / hops for _ in range(10)]
+        dist.all_reduce(small)
+    latencies = [_timed(lambda: dist.all_reduce(small)) / hops for _ in range(10)]
     latency = statistics.median(latencies)
     bandwidth, readings = {}, {}
     for name in DTYPES:
@@ -54,11 +64,11 @@ def measure(megabytes: float, repeats: int) -> dict[str, object]:
         dist.all_reduce(tensor)
         sent = 2 * (world - 1) / world * tensor.numel() * tensor.element_size()
         readings[name] = [
-            sent * 8 / max(_timed(lambda t=tensor: dist.all_reduce(t)) - hops * latency, 1e-9)
-            for _ in range(repeats)
+            sent * 8 / _timed(lambda t=tensor: dist.all_reduce(t)) for _ in range(repeats)
         ]
         bandwidth[name] = statistics.median(readings[name])
-    gather = all_gather_readings(megabytes, repeats, latency)
+    by_size = size_ladder(world, repeats)
+    gather = all_gather_readings(megabytes, repeats)
     # The medians are the result; the readings show how far one probe can be trusted.
     return {
         "world": world,
@@ -68,11 +78,41 @@ def measure(megabytes: float, repeats: int) -> dict[str, object]:
         "latency_readings_s": latencies,
         "bandwidth_readings_bps": readings,
         "all_gather_readings_bps": gather,
+        "float32_seconds_by_bytes": by_size,
         "under_compute": under_compute(megabytes, latency, bandwidth["float32"]),
     }
 
 
-def all_gather_readings(megabytes: float, repeats: int, latency_s: float) -> list[float]:
+def latency_elements(world: int) -> int:
+    """Elements of the probe's small all-reduce: 8 floats in each of the 2 W segments gloo's
+    ring cuts it into (gloo/allreduce.cc: at least 2 W segments, each rounded up to whole
+    elements, the empty ones not sent), so that every hop carries data as DDP's buckets'
+    do. 32 bytes a segment: the time is the hops' waits, not the bytes."""
+    return 2 * world * 8
+
+
+# Float32 elements of the ladder's all-reduces after the small one: 4 KiB to 4 MiB.
+LADDER_ELEMENTS = (1 << 10, 1 << 14, 1 << 18, 1 << 20)
+
+
+def size_ladder(world: int, repeats: int) -> list[list[float]]:
+    """[bytes, seconds] of float32 all-reduces from the small one to 4 MiB, each the median
+    of `repeats` readings: where the latency's time gives way to the bandwidth's, and
+    whether the two add up or the longer one counts (the model's assumption, printed
+    beside them by `netlab probe --allreduce`)."""
+    import torch
+    import torch.distributed as dist
+
+    ladder = []
+    for elements in (latency_elements(world), *LADDER_ELEMENTS):
+        tensor = torch.zeros(elements)
+        dist.all_reduce(tensor)
+        seconds = [_timed(lambda t=tensor: dist.all_reduce(t)) for _ in range(repeats)]
+        ladder.append([float(elements * 4), statistics.median(seconds)])
+    return ladder
+
+
+def all_gather_readings(megabytes: float, repeats: int) -> list[float]:
     """FSDP's all-gather (`all_gather_single`, float32) of `megabytes` gathered, each
     rank giving 1/W: effective bit/s counted as a ring counts it (each rank receives
     (W - 1) / W of the bytes over W - 1 hops). gloo's is not a ring and at 2 nodes takes
@@ -88,10 +128,7 @@ def all_gather_readings(megabytes: float, repeats: int, latency_s: float) -> lis
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(full, shard)
     received = (world - 1) * shard.numel() * 4
-    return [
-        received * 8 / max(_timed(lambda: gather(full, shard)) - (world - 1) * latency_s, 1e-9)
-        for _ in range(repeats)
-    ]
+    return [received * 8 / _timed(lambda: gather(full, shard)) for _ in range(repeats)]
 
 
 def under_compute(megabytes: float, latency_s: float, bandwidth_bps: float) -> dict[str, float]:
@@ -103,20 +140,21 @@ def under_compute(megabytes: float, latency_s: float, bandwidth_bps: float) -> d
 
     world = dist.get_world_size()
     hops = 2 * (world - 1)
-    tiny = torch.zeros(8)
+    small = torch.zeros(latency_elements(world))
     tensor = torch.ones(int(megabytes * 2**20) // 4)
     sent = 2 * (world - 1) / world * tensor.numel() * 4
     # Every rank runs the same number of all-reduces: rank 0's count, from its readings alone.
-    tiny_count = _agreed(math.ceil(CONTENDED_S / max(hops * latency_s, 1e-6)))
-    large_count = _agreed(math.ceil(CONTENDED_S / (sent * 8 / bandwidth_bps + hops * latency_s)))
+    small_count = _agreed(math.ceil(CONTENDED_S / max(hops * latency_s, 1e-6)))
+    large_count = _agreed(
+        math.ceil(CONTENDED_S / max(sent * 8 / bandwidth_bps, hops * latency_s, 1e-6))
+    )
     a, b = torch.randn(COMPUTE_SIDE, COMPUTE_SIDE), torch.randn(COMPUTE_SIDE, COMPUTE_SIDE)
     alone = _compute_rate(a, b, CONTENDED_S)
-    tiny_s, _ = _while_computing(lambda: dist.all_reduce(tiny), min(tiny_count, 5000), a, b)
-    busy_latency = tiny_s / hops
+    small_s, _ = _while_computing(lambda: dist.all_reduce(small), min(small_count, 5000), a, b)
     large_s, rate = _while_computing(lambda: dist.all_reduce(tensor), min(large_count, 50), a, b)
     return {
-        "latency_s": busy_latency,
-        "bandwidth_bps": sent * 8 / max(large_s - hops * busy_latency, 1e-9),
+        "latency_s": small_s / hops,
+        "bandwidth_bps": sent * 8 / large_s,
         "compute_share": min(1.0, rate / alone),
     }
 

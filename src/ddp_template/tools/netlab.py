@@ -507,6 +507,29 @@ def allreduce_warnings(measured: dict, rate_bps: int | None) -> list[str]:
     return lines
 
 
+def ladder_line(measured: dict) -> str:
+    """The probe's float32 all-reduces by size beside the scaling model's time for each
+    (the longer of the bytes' time and the hops' waits) and the two added up."""
+    world = int(measured["world"])
+    hops, ring = 2 * (world - 1), 2 * (world - 1) / world
+    latency, bandwidth = float(measured["latency_s"]), float(measured["bandwidth_bps"]["float32"])
+    cells = []
+    for nbytes, seconds in measured.get("float32_seconds_by_bytes", []):
+        wire, waits = ring * nbytes * 8 / bandwidth, hops * latency
+        cells.append(
+            f"{_bytes(nbytes)} {seconds * 1e3:,.1f} ms (model {max(wire, waits) * 1e3:,.1f}, "
+            f"sum {(wire + waits) * 1e3:,.1f})"
+        )
+    return "all-reduce float32 by size: " + ("; ".join(cells) or "not measured")
+
+
+def _bytes(nbytes: float) -> str:
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= size:
+            return f"{nbytes / size:g} {unit}"
+    return f"{nbytes:g} B"
+
+
 def _span(readings: Sequence[float]) -> str:
     return f"{format_rate(int(min(readings)))} to {format_rate(int(max(readings)))}"
 
@@ -907,6 +930,7 @@ def _print_probe(lab: Lab, repeats: int, allreduce: bool, save: Path | None = No
             "all-gather (FSDP's, counted as a ring's): float32 "
             f"{format_rate(int(measured['all_gather_bandwidth_bps']))}"
         )
+        print(ladder_line(measured))
         if save is not None:
             from ddp_template.worker.results import write_json_atomic
 

@@ -20,8 +20,12 @@ per step (docs/nodes.md, "The model"):
   backward has produced its gradients: bucket k is ready at F + (B + H) * (bytes up to and
   including k) / (all bytes).
 - ring all-reduce: W ranks each send and receive 2 (W - 1) / W of a bucket's bytes through
-  their node's link of L bit/s, in 2 (W - 1) steps of latency a each:
-      t_k = 2 (W - 1) / W * bytes_k * c / (L / 8) + 2 (W - 1) * a
+  their node's link of L bit/s, in 2 (W - 1) steps of latency a each; the ring keeps
+  segments in flight, so a step's wait hides behind the next segment's transfer and the
+  all-reduce takes the longer of the two times, not their sum:
+      t_k = max(2 (W - 1) / W * bytes_k * c / (L / 8), 2 (W - 1) * a)
+  (measured on the lab at 8 nodes: 1 and 4 MiB at 1 Gbit/s took 58 and 59 ms, a small
+  all-reduce's 14 waits 64 ms, their sums 79 and 123; docs/nodes.md.)
   c is the hook's compression: 1 (none), 1/2 (fp16, bf16), and for PowerSGD of rank r the
   factors (n + m) r instead of n m for each matrix gradient (vectors are sent whole).
 - overlap: buckets are sent one after another, each starting when it is ready and the
@@ -139,7 +143,8 @@ class Link:
     def transfer_s(
         self, wire_dtype: str, bits: float, hops: int, busy: bool = False, gather: bool = False
     ) -> float:
-        """Seconds of one collective: its bits at the bandwidth plus a latency per hop;
+        """Seconds of one collective: its bits at the bandwidth or a latency per hop,
+        whichever takes longer (the ring's segments in flight hide one behind the other);
         `busy`: while the node computes; `gather`: FSDP's all-gather, at its own bandwidth
         where probed (slowed while busy as the all-reduce is)."""
         bandwidth, latency = self.bandwidth_bps[wire_dtype], self.latency_s
@@ -148,7 +153,7 @@ class Link:
         if busy and self.busy_bandwidth_bps is not None:
             bandwidth *= self.busy_bandwidth_bps[wire_dtype] / self.bandwidth_bps[wire_dtype]
             latency = self.busy_latency_s or self.latency_s
-        return bits / bandwidth + hops * latency
+        return max(bits / bandwidth, hops * latency)
 
     def describe(self) -> str:
         rates = ", ".join(f"{d} {format_rate(int(b))}" for d, b in self.bandwidth_bps.items())
@@ -519,7 +524,7 @@ def predict_sharded(
     """FSDP's step (`strategy=fsdp`): `units` are the bytes each unit gathers, the root
     first, in the forward's order (config/dry_run_sharded.py). One collective at a time on
     the link, each a ring of W - 1 steps sending (W - 1) / W of its bytes per rank:
-        t(bytes) = (W - 1) / W * bytes / (L / 8) + (W - 1) * a
+        t(bytes) = max((W - 1) / W * bytes / (L / 8), (W - 1) * a)
     except the reduce-scatter on gloo, an all-reduce of the unit (`reduce_scatter_factor`);
     a probed link gives the all-gather its own bandwidth (gloo's is no ring) and, while a
     unit computes, the busy speeds and the compute's share (`two_lanes`). On CPUs (gloo)
