@@ -18,6 +18,7 @@ from ddp_template.errors import ConfigError
 from ddp_template.tools.scaling import (
     Link,
     MeasuredRun,
+    Prediction,
     Transfer,
     buckets,
     overlapped_backward,
@@ -25,6 +26,7 @@ from ddp_template.tools.scaling import (
     parse_nodes,
     predict,
     probe_hook_costs,
+    recommend,
     report,
     sent_bytes,
 )
@@ -539,3 +541,45 @@ def test_a_probe_saved_to_a_file_is_a_link_and_a_bad_file_one_paragraph(tmp_path
         link_of(str(tmp_path / "other.json"), 5e-5, "--link")
     with pytest.raises(ConfigError, match="a link rate"):
         link_of("fast", 5e-5, "--link")
+
+
+def _predicted(hook: str, cap: float | None, step_s: float) -> Prediction:
+    return Prediction(8, hook, cap, step_s, 0.0, 0.0, step_s, 1.0, 1.0)
+
+
+def test_the_recommendation_changes_less_where_the_model_cannot_tell_pairs_apart() -> None:
+    """Within 5% of the fastest the model cannot order the pairs: it recommends the one
+    that sends the most exact gradients, then the bucket size nearest PyTorch's default;
+    a pair faster by more than that is recommended whatever it changes."""
+
+    def pick(*pairs: tuple[str, float | None, float]) -> tuple[str, float | None]:
+        best = recommend([_predicted(*pair) for pair in pairs])
+        return best.hook, best.bucket_cap_mb
+
+    assert pick(("powersgd", 100, 0.96), ("fp16", 25, 0.97), ("none", 25, 1.0)) == ("none", 25)
+    assert pick(("powersgd", 100, 0.531), ("fp16", 1, 0.537), ("fp16", 25, 0.565)) == ("fp16", 1)
+    assert pick(("powersgd", 100, 0.50), ("fp16", 1, 0.60)) == ("powersgd", 100)
+    powersgd = (("powersgd", 100, 0.535), ("powersgd", 25, 0.542), ("powersgd", 1, 0.596))
+    assert pick(*powersgd) == ("powersgd", 25)
+    assert pick(("none", 1, 1.0), ("none", 100, 1.04), ("none", None, 1.06)) == ("none", 100)
+    assert pick(("none", None, 1.02), ("none", 25, 1.0)) == ("none", 25)
+
+
+def test_the_report_names_the_faster_pair_it_did_not_recommend() -> None:
+    """A tie is said: the recommended line names the fastest pair and its prediction. At
+    5 Gbit/s fp16 is predicted 1.003 s a step and none 1.007 s (a tie: none); at 1 Gbit/s
+    1.059 and 1.193 s (fp16, no tie)."""
+    run = _run(shapes=[[1024, 1024]] * 8)
+    costs = {"none": 0.0, "fp16": 0.0}
+
+    def recommended(rate: float) -> str:
+        lines = report(run, [2], Link.rated(rate), ["none", "fp16"], costs, None, [25, 100])
+        (line,) = [line for line in lines if line.startswith("recommended at nodes=2")]
+        return line
+
+    tie = recommended(5e9)
+    assert "strategy.comm_hook=none strategy.bucket_cap_mb=25 (predicted step 1.007 s" in tie
+    assert "hook=fp16 bucket_cap_mb=25 is predicted 1.003 s, within 5%: a tie" in tie
+    clear = recommended(1e9)
+    assert "strategy.comm_hook=fp16 strategy.bucket_cap_mb=25 (predicted step 1.059 s" in clear
+    assert "a tie" not in clear

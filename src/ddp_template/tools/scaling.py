@@ -1,5 +1,6 @@
 """Predicts a run's step time at N nodes from one measured run, for each communication hook
-and bucket size, and recommends the pair that is fastest.
+and bucket size, and recommends the pair that is fastest (among pairs predicted within 5%
+of each other, the one that changes less: exact gradients, PyTorch's bucket size).
 
     python -m ddp_template.tools.scaling outputs/<run> --nodes 2,4,8,16 --link 1gbit
     python -m ddp_template.tools.scaling outputs/<run> --nodes 8 --link 1gbit --buckets 1,25,100
@@ -678,25 +679,54 @@ def report(
                 f"scaling efficiency {p.efficiency:.0%}"
             )
     for count in counts:
-        best = min(
-            (
-                predict(run, count, hook, link, costs[hook], cap, overlap)
-                for hook in hooks
-                for cap in choices
-            ),
-            key=lambda p: p.step_s,
-        )
+        candidates = [
+            predict(run, count, hook, link, costs[hook], cap, overlap)
+            for hook in hooks
+            for cap in choices
+        ]
+        best = recommend(candidates)
+        fastest = min(candidates, key=lambda p: p.step_s)
         caveat = (
             "; PowerSGD approximates the gradients: compare the accuracy with comm_hook=none"
             if best.hook == "powersgd"
             else ""
         )
+        if best is not fastest:
+            caveat += (
+                f"; hook={fastest.hook} bucket_cap_mb={_mb(fastest.bucket_cap_mb)} is predicted "
+                f"{fastest.step_s:.3f} s, within {TIE_SHARE:.0%}: a tie, and this pair changes "
+                "less (the gradients, PyTorch's default bucket size)"
+            )
         lines.append(
             f"recommended at nodes={count}: strategy.comm_hook={best.hook} "
             f"strategy.bucket_cap_mb={_mb(best.bucket_cap_mb)} (predicted step {best.step_s:.3f} s, "
             f"scaling efficiency {best.efficiency:.0%}){caveat}"
         )
     return lines
+
+
+# Predictions this close to the fastest are a tie: the model cannot order them (two runs of
+# one setting on the lab differ by 4.4% at the median, docs/nodes.md), so a recommendation
+# does not change the gradients or PyTorch's defaults for less.
+TIE_SHARE = 0.05
+
+
+def recommend(predictions: Sequence[Prediction]) -> Prediction:
+    """The pair to recommend: among the predictions within TIE_SHARE of the fastest, the
+    hook that sends the most exact gradients (none, then half width, then PowerSGD), then
+    the bucket size nearest PyTorch's default, then the fastest."""
+    fastest = min(p.step_s for p in predictions)
+    ties = [p for p in predictions if p.step_s <= fastest * (1 + TIE_SHARE)]
+    return min(
+        ties,
+        key=lambda p: (comm_hook(p.hook).approximation, _from_default(p.bucket_cap_mb), p.step_s),
+    )
+
+
+def _from_default(cap_mb: float | None) -> float:
+    """How far a bucket size is from PyTorch's default (None: the default itself), as a
+    factor: 25 and None 0, 50 and 12.5 alike."""
+    return 0.0 if cap_mb is None else abs(math.log(cap_mb / DEFAULT_BUCKET_MB))
 
 
 def link_of(text: str, latency_s: float, option: str, lab_prefix: str | None = None) -> Link:

@@ -50,6 +50,10 @@ class CommHook:
     sent_bytes: Callable[[list[int], int, int], float]
     # The state it keeps between steps: (PowerSGD's rank, start step) -> state, or None.
     make_state: Callable[[int, int], object | None] | None = None
+    # How far the gradients it sends depart from the exact ones: 0 exact, 1 rounded to half
+    # width, 2 a low-rank approximation. The scaling model recommends a less exact hook only
+    # when it is predicted clearly faster (tools/scaling.py, `recommend`).
+    approximation: int = 0
 
 
 def _full_width(shape: list[int], element_bytes: int, rank: int) -> float:
@@ -86,6 +90,7 @@ COMM_HOOKS: dict[str, CommHook] = {
             "float16",
             1,
             _half_width,
+            approximation=1,
         ),
         CommHook(
             "bf16",
@@ -93,6 +98,7 @@ COMM_HOOKS: dict[str, CommHook] = {
             "bfloat16",
             1,
             _half_width,
+            approximation=1,
         ),
         CommHook(
             "powersgd",
@@ -103,6 +109,7 @@ COMM_HOOKS: dict[str, CommHook] = {
             3,
             _low_rank,
             _powersgd_state,
+            approximation=2,
         ),
     )
 }
