@@ -15,8 +15,8 @@ every node and warns when they disagree.
 The small all-reduce puts data on every hop of gloo's ring (`latency_elements`): gloo cuts
 a tensor into at least 2 W segments and sends none of the empty ones, so a tensor of
 fewer elements (8 floats at 8 nodes) makes fewer hops than any bucket DDP sends: it read
-1.7-1.9 ms a hop on the lab where every all-reduce of 64 floats to 32 KiB waited 4.6
-(docs/nodes.md). The model (`ddp_template.tools.scaling`) takes the longer of the
+1.7-2.1 ms a hop on the 8-node lab where all-reduces of 4 KiB to 64 KiB waited 4.7-4.9
+(docs/nodes.md, "Small all-reduces on the lab"). The model (`ddp_template.tools.scaling`) takes the longer of the
 latency's time and the bandwidth's, not their sum (gloo keeps two segments in flight, a
 hop's wait hides behind the next segment's transfer), so the large all-reduce's time is
 counted as all bandwidth.

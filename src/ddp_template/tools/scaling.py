@@ -25,8 +25,9 @@ per step (docs/nodes.md, "The model"):
   segments in flight, so a step's wait hides behind the next segment's transfer and the
   all-reduce takes the longer of the two times, not their sum:
       t_k = max(2 (W - 1) / W * bytes_k * c / (L / 8), 2 (W - 1) * a)
-  (measured on the lab at 8 nodes: 1 and 4 MiB at 1 Gbit/s took 58 and 59 ms, a small
-  all-reduce's 14 waits 64 ms, their sums 79 and 123; docs/nodes.md.)
+  (measured on the lab at 8 nodes and 200 Mbit/s: 1 and 4 MiB took 74.7 and 298.8 ms,
+  their bytes' time; with the 14 waits of a small all-reduce added, 137.9 and 361.9;
+  docs/nodes.md, "Small all-reduces on the lab".)
   c is the hook's compression: 1 (none), 1/2 (fp16, bf16), and for PowerSGD of rank r the
   factors (n + m) r instead of n m for each matrix gradient (vectors are sent whole).
 - overlap: buckets are sent one after another, each starting when it is ready and the
