@@ -16,10 +16,10 @@ The small all-reduce puts data on every hop of gloo's ring (`latency_elements`):
 a tensor into at least 2 W segments and sends none of the empty ones, so a tensor of
 fewer elements (8 floats at 8 nodes) makes fewer hops than any bucket DDP sends: it read
 1.7-2.1 ms a hop on the 8-node lab where all-reduces of 4 KiB to 64 KiB waited 4.7-4.9
-(docs/nodes.md, "Small all-reduces on the lab"). The model (`ddp_template.tools.scaling`) takes the longer of the
-latency's time and the bandwidth's, not their sum (gloo keeps two segments in flight, a
-hop's wait hides behind the next segment's transfer), so the large all-reduce's time is
-counted as all bandwidth.
+(docs/nodes.md, "Small all-reduces on the lab"). The model (`ddp_template.tools.scaling`)
+takes the longer of the latency's time and the bandwidth's, not their sum (gloo keeps two
+segments in flight, a hop's wait hides behind the next segment's transfer), so the large
+all-reduce's time is counted as all bandwidth.
 
 `under_compute` measures the same all-reduces again while every rank computes (a loop of
 matrix products on its main thread, as the backward computes while DDP's buckets are on
