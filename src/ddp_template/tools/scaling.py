@@ -692,7 +692,7 @@ def report(
             if best.hook == "powersgd"
             else ""
         )
-        if best is not fastest:
+        if best.step_s > fastest.step_s:
             caveat += (
                 f"; hook={fastest.hook} bucket_cap_mb={_mb(fastest.bucket_cap_mb)} is predicted "
                 f"{fastest.step_s:.3f} s, within {TIE_SHARE:.0%}: a tie, and this pair changes "
