@@ -509,21 +509,17 @@ def allreduce_warnings(measured: dict, rate_bps: int | None) -> list[str]:
 
 def ladder_line(measured: dict) -> str:
     """The probe's float32 all-reduces by size beside the scaling model's time for each
-    (`Link.transfer_s`: the longer of the bytes' time and the hops' waits) and the two
-    added up."""
-    from ddp_template.tools.scaling import Link
-
-    link = Link.probed(measured)
+    (the longer of the bytes' time and the hops' waits, as `scaling.Link.transfer_s`
+    counts it; not imported from there: scaling imports this module) and the two added up."""
     world = int(measured["world"])
     hops, ring = 2 * (world - 1), 2 * (world - 1) / world
+    latency, bandwidth = float(measured["latency_s"]), float(measured["bandwidth_bps"]["float32"])
     cells = []
     for nbytes, seconds in measured.get("float32_seconds_by_bytes", []):
-        bits = ring * nbytes * 8
-        model = link.transfer_s("float32", bits, hops)
-        added = bits / link.bandwidth_bps["float32"] + hops * link.latency_s
+        wire, waits = ring * nbytes * 8 / bandwidth, hops * latency
         cells.append(
-            f"{_bytes(nbytes)} {seconds * 1e3:,.1f} ms (model {model * 1e3:,.1f}, "
-            f"sum {added * 1e3:,.1f})"
+            f"{_bytes(nbytes)} {seconds * 1e3:,.1f} ms (model {max(wire, waits) * 1e3:,.1f}, "
+            f"sum {(wire + waits) * 1e3:,.1f})"
         )
     return "all-reduce float32 by size: " + ("; ".join(cells) or "not measured")
 
