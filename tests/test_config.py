@@ -54,12 +54,14 @@ def test_ddp_switches_reach_distributed_data_parallel() -> None:
         "strategy.bucket_cap_mb=50",
         "strategy.static_graph=true",
         "strategy.gradient_as_bucket_view=true",
+        "strategy.forward_sync_buffers=false",
         "strategy.timeout=120",
     )
     strategy = build_strategy(cfg)
     assert strategy._ddp_kwargs == {
         "bucket_cap_mb": 50,
         "gradient_as_bucket_view": True,
+        "forward_sync_buffers": False,
         "static_graph": True,
         "find_unused_parameters": False,
     }

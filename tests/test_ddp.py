@@ -49,12 +49,17 @@ def test_results_record_the_live_ddp_settings(tmp_path: Path) -> None:
         "devices=2",
         "strategy.bucket_cap_mb=7",
         "strategy.static_graph=true",
+        "strategy.forward_sync_buffers=false",
         f"hydra.run.dir={run_dir}",
         cwd=tmp_path,
     )
-    ddp = results(run_dir)["ddp"]
+    out = results(run_dir)
+    ddp = out["ddp"]
     assert ddp["bucket_cap_mb"] == 7.0
     assert ddp["static_graph"] is True and ddp["find_unused_parameters"] is False
+    # The model has BatchNorm; switched off, DDP broadcasts none of its buffers.
+    assert ddp["forward_sync_buffers"] is False
+    assert out["gradients"]["broadcast_buffer_bytes"] == {}
 
 
 @pytest.mark.slow

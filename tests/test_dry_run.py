@@ -165,10 +165,20 @@ def test_1024_ranks_planned_from_the_command_line(tmp_path: Path) -> None:
     # Weights and momentum, serialised (plus buffers and names).
     assert 2 * parameter_bytes < planned["checkpoint_bytes"] < 2.1 * parameter_bytes
 
+    # The model's BatchNorm statistics and counters, broadcast at every forward's start.
+    buffers: dict[str, int] = {}
+    for buffer in _module(*SYNTHETIC).buffers():
+        name = str(buffer.dtype).removeprefix("torch.")
+        buffers[name] = buffers.get(name, 0) + buffer.numel() * buffer.element_size()
+    assert planned["broadcast_buffer_bytes"] == buffers and set(buffers) == {"float32", "int64"}
+
     prediction = planned["prediction"]
     assert "assumption" in prediction["link"] and "10gbit" in prediction["link"]
     for figures in prediction["per_hook"].values():
         assert figures["step_s"] >= figures["compute_s"] > 0
+        # NCCL (the planned GPUs) passes the buffers along a chain: 1,023 waits of 50 us,
+        # longer than their bytes at 10 Gbit/s.
+        assert figures["buffer_broadcast_s"] == pytest.approx((WORLD - 1) * 50e-6)
     assert "activation memory" in proc.stdout and "not known to a dry run" in proc.stdout
 
 

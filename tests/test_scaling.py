@@ -208,12 +208,15 @@ def test_the_all_reduce_probe_measures_the_link_while_the_ranks_compute(tmp_path
     assert busy["bandwidth_bps"] > 0 and busy["latency_s"] > 0
     assert measured["all_gather_bandwidth_bps"] > 0
     assert len(measured["all_gather_readings_bps"]) == 5
+    # DDP's buffer broadcast, idle and right after a burst of compute on every rank.
+    assert measured["broadcast_s"] > 0 and measured["forward_broadcast_s"] > 0
     ladder = measured["float32_seconds_by_bytes"]
     assert [size for size, _ in ladder] == [2 * 2 * 8 * 4, 4 << 10, 64 << 10, 1 << 20, 4 << 20]
     assert all(seconds > 0 for _, seconds in ladder)
     link = Link.probed(measured)
     assert link.compute_share == busy["compute_share"]
     assert link.gather_bandwidth_bps == measured["all_gather_bandwidth_bps"]
+    assert link.broadcast_round_s == measured["forward_broadcast_s"]  # one round at W = 2
 
 
 @pytest.mark.parametrize("bad", ["0", "2,0", "x", "", "-4"])
@@ -285,6 +288,52 @@ def test_overlap_hides_communication_behind_the_backward_except_powersgd_on_gloo
     on_gloo = predict(_run(backend="gloo"), 2, "powersgd", link, 0.0, None, overlap=1.0)
     on_nccl = predict(_run(backend="nccl"), 2, "powersgd", link, 0.0, None, overlap=1.0)
     assert on_gloo.exposed_comm_s > on_nccl.exposed_comm_s
+
+
+BN_BUFFERS = {"float32": 38_400, "int64": 160}  # resnet18's BatchNorm statistics, counters
+
+
+@pytest.mark.parametrize(("world", "rounds"), [(2, 1), (4, 2), (5, 3), (8, 3), (1024, 10)])
+def test_the_forward_waits_for_the_buffer_broadcast_tree(world: int, rounds: int) -> None:
+    """gloo's binomial tree: ceil(log2 W) rounds; the two dtypes in flight together."""
+    wait = 4e-3
+    link = Link.rated(1e9, latency_s=wait)
+    without = predict(_run(), world, "none", link, 0.0, None)
+    synced = predict(_run(broadcast_buffer_bytes=BN_BUFFERS), world, "none", link, 0.0, None)
+    assert synced.buffer_broadcast_s == pytest.approx(rounds * wait)
+    assert synced.step_s - without.step_s == pytest.approx(rounds * wait)
+    assert synced.exposed_comm_s - without.exposed_comm_s == pytest.approx(rounds * wait)
+    assert predict(_run(broadcast_buffer_bytes=BN_BUFFERS), 1, "none", link, 0.0, None).step_s == (
+        pytest.approx(_run().step_s)
+    )
+
+
+def test_a_large_buffer_broadcast_costs_its_bytes_each_round_and_nccl_once() -> None:
+    big = {"float32": 100 * 2**20}
+    link = Link.rated(1e9, latency_s=1e-3)
+    bytes_s = 100 * 2**20 * 8 / 1e9
+    on_gloo = predict(_run(broadcast_buffer_bytes=big), 8, "none", link, 0.0, None)
+    on_nccl = predict(_run(broadcast_buffer_bytes=big, backend="nccl"), 8, "none", link, 0.0, None)
+    assert on_gloo.buffer_broadcast_s == pytest.approx(3 * bytes_s)
+    assert on_nccl.buffer_broadcast_s == pytest.approx(max(bytes_s, 7 * 1e-3))
+    # Three dtypes: the first two in flight together, the third after them.
+    three = {"float32": 8 * 2**20, "int64": 8, "float16": 4 * 2**20}
+    p = predict(_run(broadcast_buffer_bytes=three), 2, "none", link, 0.0, None)
+    assert p.buffer_broadcast_s == pytest.approx((8 * 2**20 + 4 * 2**20) * 8 / 1e9)
+
+
+def test_a_probed_broadcast_gives_the_wait_of_each_round() -> None:
+    measured = {
+        "world": 8,
+        "latency_s": 1e-3,
+        "bandwidth_bps": {"float32": 1e9, "float16": 1e9, "bfloat16": 1e9},
+        "forward_broadcast_s": 0.09,
+    }
+    link = Link.probed(measured)
+    assert link.broadcast_round_s == pytest.approx(0.03)
+    at_four = predict(_run(broadcast_buffer_bytes=BN_BUFFERS), 4, "none", link, 0.0, None)
+    assert at_four.buffer_broadcast_s == pytest.approx(2 * 0.03)
+    assert "buffer broadcast 30000 us per round" in link.describe()
 
 
 def test_the_hook_probe_runs_each_hook_inside_ddp_and_leaves_no_group_behind() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning as L
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_template.worker.comm_hooks import registered_hook
+from ddp_template.worker.comm_hooks import broadcast_buffer_bytes, registered_hook
 
 
 def read_ddp_settings(model: object) -> dict[str, float] | None:
@@ -16,6 +16,10 @@ def read_ddp_settings(model: object) -> dict[str, float] | None:
     return {
         "bucket_cap_mb": model.bucket_bytes_cap / 2**20,
         "gradient_as_bucket_view": float(model.gradient_as_bucket_view),
+        # Named broadcast_buffers before torch 2.13.
+        "forward_sync_buffers": float(
+            getattr(model, "forward_sync_buffers", getattr(model, "broadcast_buffers", True))
+        ),
         "static_graph": float(model.static_graph),
         "find_unused_parameters": float(model.find_unused_parameters),
         # Metrics are numbers: the hook's name is in the key (results.json: comm_hook).
@@ -68,6 +72,9 @@ def gradient_layout(model: object) -> dict[str, object] | None:
         "element_bytes": trained[0].element_size() if trained else 4,
         "total_bytes": sum(p.numel() * p.element_size() for p in trained),
         "bucket_bytes": buckets,
+        # What DDP broadcasts from rank 0 at the start of each forward (forward_sync_buffers),
+        # bytes per dtype: one broadcast of each (torch's broadcast_coalesced groups by type).
+        "broadcast_buffer_bytes": broadcast_buffer_bytes(model),
         "forward_compute_s": logged.get("forward_compute_time", 0) / 1e9,
         "backward_compute_s": logged.get("backward_compute_time", 0) / 1e9,
         "torch_threads": torch.get_num_threads(),

@@ -45,6 +45,7 @@ from ddp_template.config.dry_run_model import (
 )
 from ddp_template.config.trial_objects import quiet
 from ddp_template.errors import ConfigError
+from ddp_template.worker.comm_hooks import broadcast_buffer_bytes
 
 DRY_RUN_FILE = "dry_run.json"
 CANNOT_KNOW = (
@@ -301,6 +302,8 @@ def model_figures(cfg: DictConfig, module: Any, batch: Any) -> dict[str, Any]:
             "bucket_cap_bytes": int(ddp._get_ddp_logging_data().get("bucket_cap_bytes", 0)),
         },
         "buckets": buckets,
+        # Broadcast at every forward's start (strategy.forward_sync_buffers), per dtype.
+        "broadcast_buffer_bytes": broadcast_buffer_bytes(ddp),
         "bytes_per_step": bytes_per_step(cfg, buckets, dist.get_world_size(), element_bytes),
         "memory_per_rank": memory,
         "checkpoint_bytes": checkpoint_bytes(module, optimizer),
@@ -420,6 +423,7 @@ def predicted_step(cfg: DictConfig, plan: dict[str, Any], link: Any) -> dict[str
             threads=torch.get_num_threads(),
             powersgd_rank=int(cfg.strategy.get("powersgd_rank") or 1),
             backend=planned_backend(cfg),
+            broadcast_buffer_bytes=dict(plan.get("broadcast_buffer_bytes") or {}),
         )
         compute_from = "this machine's CPU, one step of rank 0 (not the planned machines)"
     nodes = int(cfg.num_nodes)

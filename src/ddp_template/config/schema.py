@@ -64,6 +64,7 @@ class Strategy:
     timeout: float = MISSING
     bucket_cap_mb: float | None = MISSING
     gradient_as_bucket_view: bool = MISSING
+    forward_sync_buffers: bool = MISSING
     static_graph: bool = MISSING
     find_unused_parameters: bool = MISSING
     comm_hook: str = MISSING

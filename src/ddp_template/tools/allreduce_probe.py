@@ -21,6 +21,15 @@ takes the longer of the latency's time and the bandwidth's, not their sum (gloo 
 segments in flight, a hop's wait hides behind the next segment's transfer), so the large
 all-reduce's time is counted as all bandwidth.
 
+`forward_broadcast_s` is DDP's broadcast of the module's buffers (BatchNorm's running
+statistics) at the start of each forward (`strategy.forward_sync_buffers`): torch's own
+coalesced broadcast of a small float32 and a small int64 tensor from rank 0, timed on rank 0
+right after every rank has computed a burst, as the forward follows the optimizer's step.
+gloo's broadcast is a binomial tree (gloo/broadcast.cc: ceil(log2 W) rounds, each a whole
+send that waits for the receiver), so rank 0 waits for its children to come out of their
+compute: on the 8-node lab at 0.2 core it cost the forward 100-200 ms where an idle
+broadcast's hops read 12 (docs/nodes.md, "The forward's buffer broadcast").
+
 `under_compute` measures the same all-reduces again while every rank computes (a loop of
 matrix products on its main thread, as the backward computes while DDP's buckets are on
 the wire): the latency and float32 bandwidth then, and the share of the compute's speed
@@ -79,6 +88,8 @@ def measure(megabytes: float, repeats: int) -> dict[str, object]:
         "bandwidth_readings_bps": readings,
         "all_gather_readings_bps": gather,
         "float32_seconds_by_bytes": by_size,
+        "broadcast_s": statistics.median(buffer_broadcast_readings(repeats, burst_s=0.0)),
+        "forward_broadcast_s": statistics.median(buffer_broadcast_readings(repeats)),
         "under_compute": under_compute(megabytes, latency, bandwidth["float32"]),
     }
 
@@ -110,6 +121,45 @@ def size_ladder(world: int, repeats: int) -> list[list[float]]:
         seconds = [_timed(lambda t=tensor: dist.all_reduce(t)) for _ in range(repeats)]
         ladder.append([float(elements * 4), statistics.median(seconds)])
     return ladder
+
+
+# What the probe broadcasts as DDP broadcasts a model's buffers: float32 statistics and an
+# int64 counter, small enough that the time is the tree's rounds, not the bytes.
+BUFFER_BYTES = {"float32": 4096, "int64": 8}
+# The compute before each broadcast: long enough to span many periods of a node's quota.
+BURST_S = 0.05
+
+
+def buffer_broadcast_readings(repeats: int, burst_s: float = BURST_S) -> list[float]:
+    """Seconds of DDP's buffer broadcast (`_broadcast_coalesced` of BUFFER_BYTES from rank
+    0, DDP's call), each after every rank has computed the same matrix products (rank 0's
+    count for `burst_s` of its own compute; none for 0), as read on rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    buffers = [
+        torch.zeros(nbytes // getattr(torch, name).itemsize, dtype=getattr(torch, name))
+        for name, nbytes in BUFFER_BYTES.items()
+    ]
+    group = dist.group.WORLD
+
+    def broadcast() -> None:
+        coalesced = getattr(dist, "_broadcast_coalesced", None)
+        if coalesced is None:  # torch without it: one broadcast per dtype, as it does
+            for buffer in buffers:
+                dist.broadcast(buffer, 0)
+        else:
+            coalesced(group, buffers, 250 * 2**20, 0)
+
+    a, b = torch.randn(COMPUTE_SIDE, COMPUTE_SIDE), torch.randn(COMPUTE_SIDE, COMPUTE_SIDE)
+    products = _agreed(round(_compute_rate(a, b, burst_s) * burst_s)) if burst_s else 0
+    broadcast()
+    readings = []
+    for _ in range(max(repeats, 5)):
+        for _ in range(products):
+            torch.mm(a, b)
+        readings.append(_timed(broadcast))
+    return readings
 
 
 def all_gather_readings(megabytes: float, repeats: int) -> list[float]:

@@ -30,6 +30,11 @@ per step (docs/nodes.md, "The model"):
   docs/nodes.md, "Small all-reduces on the lab".)
   c is the hook's compression: 1 (none), 1/2 (fp16, bf16), and for PowerSGD of rank r the
   factors (n + m) r instead of n m for each matrix gradient (vectors are sent whole).
+- buffers: with `strategy.forward_sync_buffers` (PyTorch's default) DDP broadcasts the
+  module's buffers (BatchNorm's statistics) from rank 0 at each forward's start, one
+  broadcast per dtype; on gloo a binomial tree of ceil(log2 W) rounds, each the longer of
+  its bytes' time and a round's wait (`buffer_broadcast_s`). It counts as exposed
+  communication: nothing overlaps it.
 - overlap: buckets are sent one after another, each starting when it is ready and the
   previous one is done; the step ends when both the backward and the last bucket are
   done. PowerSGD on gloo waits for each bucket inside the backward (nothing overlaps).
@@ -54,13 +59,14 @@ stays the same, so N nodes process N times the samples per step at efficiency 1)
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +98,9 @@ class MeasuredRun:
     threads: int
     powersgd_rank: int
     backend: str = "gloo"
+    # What DDP broadcasts from rank 0 at each forward (strategy.forward_sync_buffers), bytes
+    # per dtype; empty: nothing (no buffers, the switch off, or a run that did not record it).
+    broadcast_buffer_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def rest_s(self) -> float:
@@ -118,6 +127,9 @@ class Link:
     compute_share: float = 1.0
     # FSDP's all-gather (float32), counted as a ring's; None: the all-reduce's float32 figure.
     gather_bandwidth_bps: float | None = None
+    # One round of the broadcast of DDP's buffers at a forward's start, right after the
+    # nodes computed (the probe's forward_broadcast_s over its rounds); None: latency_s.
+    broadcast_round_s: float | None = None
 
     @classmethod
     def rated(cls, bits_per_s: float, latency_s: float = 50e-6) -> Link:
@@ -128,9 +140,21 @@ class Link:
         bandwidth = {dtype: float(rate) for dtype, rate in measured["bandwidth_bps"].items()}
         gather = measured.get("all_gather_bandwidth_bps")
         gather_bps = float(gather) if gather else None
+        broadcast = measured.get("forward_broadcast_s")
+        # The probe runs gloo (allreduce_probe): its tree's rounds at the probed world size.
+        round_s = (
+            float(broadcast) / broadcast_rounds(int(measured["world"]), "gloo")
+            if broadcast and int(measured.get("world") or 1) > 1
+            else None
+        )
         busy = measured.get("under_compute")
         if not busy:
-            return cls(bandwidth, float(measured["latency_s"]), gather_bandwidth_bps=gather_bps)
+            return cls(
+                bandwidth,
+                float(measured["latency_s"]),
+                gather_bandwidth_bps=gather_bps,
+                broadcast_round_s=round_s,
+            )
         # Measured for float32; the other dtypes slow down by the same ratio.
         slowed = float(busy["bandwidth_bps"]) / bandwidth["float32"]
         return cls(
@@ -140,6 +164,7 @@ class Link:
             float(busy["latency_s"]),
             float(busy["compute_share"]),
             gather_bps,
+            round_s,
         )
 
     def transfer_s(
@@ -168,6 +193,8 @@ class Link:
             )
         if self.gather_bandwidth_bps:
             text += f"; all-gather float32 {format_rate(int(self.gather_bandwidth_bps))}"
+        if self.broadcast_round_s is not None:
+            text += f"; buffer broadcast {self.broadcast_round_s * 1e6:.0f} us per round"
         return text
 
 
@@ -182,6 +209,8 @@ class Prediction:
     step_s: float
     samples_per_s: float
     efficiency: float
+    # Part of exposed_comm_s: DDP's buffer broadcast at the forward's start.
+    buffer_broadcast_s: float = 0.0
 
 
 def load_run(job: Path) -> MeasuredRun:
@@ -231,6 +260,10 @@ def load_run(job: Path) -> MeasuredRun:
         threads=int(gradients.get("torch_threads") or 1),
         powersgd_rank=int(strategy.get("powersgd_rank") or 1),
         backend=str(gradients.get("backend") or "gloo"),
+        broadcast_buffer_bytes={
+            dtype: int(nbytes)
+            for dtype, nbytes in (gradients.get("broadcast_buffer_bytes") or {}).items()
+        },
     )
 
 
@@ -276,9 +309,10 @@ def probe_hook_costs(
     own_group = not dist.is_initialized()
     if own_group:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    models: dict[str, Any] = {}
     try:
         names = ["none", *(h for h in hooks if h != "none")]
-        models = {name: _probe_model(run, name, bucket_cap_mb) for name in names}
+        models.update((name, _probe_model(run, name, bucket_cap_mb)) for name in names)
         seconds: dict[str, list[float]] = {name: [] for name in names}
         # PowerSGD compresses from its second step on (the worker's start_iter is >= 2);
         # DDP rebuilds its buckets after the first: time neither.
@@ -293,6 +327,11 @@ def probe_hook_costs(
             h: max(0.0, statistics.median(seconds[h]) - base) if h != "none" else 0.0 for h in hooks
         }
     finally:
+        # The wrappers and their hooks' futures go first, here: the group must not be
+        # freed last on one of gloo's own threads (its destructor joins them: a process
+        # abort, "Resource deadlock avoided", seen once in a test).
+        models.clear()
+        gc.collect()
         if own_group:
             dist.destroy_process_group()
         torch.set_num_threads(threads)
@@ -384,7 +423,8 @@ def predict(
         # The hook waits for each bucket inside the backward (comm_hooks.CountingHook):
         # nothing overlaps, every bucket's time adds to the step.
         overlap = 0.0
-    exposed = overlap * max(0.0, end - compute_end) + (1 - overlap) * sent_s
+    buffers_s = buffer_broadcast_s(run, world, link)
+    exposed = overlap * max(0.0, end - compute_end) + (1 - overlap) * sent_s + buffers_s
     step = compute_end + exposed + run.rest_s + run.data_wait_s
     samples = world * run.samples_per_step_per_device / step
     one_node = run.forward_s + run.backward_s + run.rest_s + run.data_wait_s
@@ -398,7 +438,41 @@ def predict(
         step,
         samples,
         one_node / step,
+        buffers_s,
     )
+
+
+def broadcast_rounds(world: int, backend: str) -> int:
+    """Sends one after another in a broadcast from one rank: gloo's binomial tree
+    (gloo/broadcast.cc) takes ceil(log2 W) rounds, each a whole send; NCCL's pipelined
+    chain passes the data along W - 1 hops (its bytes once, counted by the caller)."""
+    if world <= 1:
+        return 0
+    return math.ceil(math.log2(world)) if backend == "gloo" else world - 1
+
+
+def buffer_broadcast_s(run: MeasuredRun, world: int, link: Link) -> float:
+    """DDP's broadcast of the module's buffers at the start of each forward
+    (`strategy.forward_sync_buffers`, on by default): one broadcast per dtype (torch's
+    broadcast_coalesced groups the buffers by type and keeps two in flight, so a pair takes
+    as long as its longer one). On gloo each of the tree's rounds sends the whole buffer:
+    the longer of its bytes' time and a round's wait, the probe's `forward_broadcast_s`
+    per round where probed (rank 0 waits for its children to finish the step before;
+    measured on the 8-node lab: 100-200 ms, where idle hops read 12). NCCL: the bytes once,
+    W - 1 waits."""
+    if world <= 1 or not run.broadcast_buffer_bytes:
+        return 0.0
+    rounds = broadcast_rounds(world, run.backend)
+    wait = link.broadcast_round_s if link.broadcast_round_s is not None else link.latency_s
+    bandwidth = link.bandwidth_bps["float32"]
+    times = []
+    for nbytes in run.broadcast_buffer_bytes.values():
+        if run.backend == "gloo":
+            times.append(rounds * max(nbytes * 8 / bandwidth, wait))
+        else:
+            times.append(max(nbytes * 8 / bandwidth, rounds * wait))
+    # Two in flight: the broadcasts go in pairs, each pair as long as its longer one.
+    return sum(max(times[i : i + 2]) for i in range(0, len(times), 2))
 
 
 @dataclass(frozen=True)
@@ -675,7 +749,7 @@ def report(
             p = predict(run, count, hook, link, costs[hook], bucket, overlap)
             lines.append(
                 f"nodes={count} hook={hook} bucket_cap_mb={_mb(bucket)} compute {p.compute_s:.3f} s "
-                f"exposed comm {p.exposed_comm_s:.3f} s data wait {p.data_wait_s:.3f} s "
+                f"exposed comm {p.exposed_comm_s:.3f} s{_buffers(p)} data wait {p.data_wait_s:.3f} s "
                 f"predicted step time: {p.step_s:.3f} s  samples/s {p.samples_per_s:.1f}  "
                 f"scaling efficiency {p.efficiency:.0%}"
             )
@@ -783,6 +857,10 @@ def _probe_file(path: Path, option: str, allowed: str) -> dict[str, Any]:
             fix,
         ) from None
     return measured
+
+
+def _buffers(p: Prediction) -> str:
+    return f" (buffer broadcast {p.buffer_broadcast_s:.3f} s)" if p.buffer_broadcast_s else ""
 
 
 def _mb(cap: float | None) -> str:

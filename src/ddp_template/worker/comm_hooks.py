@@ -159,6 +159,18 @@ class CountingHook:
         return done
 
 
+def broadcast_buffer_bytes(model: DistributedDataParallel) -> dict[str, int]:
+    """Bytes of the buffers DDP sends at each forward, per dtype; empty when it sends none
+    (forward_sync_buffers=false, or a model without buffers)."""
+    if not model.will_sync_module_buffers():
+        return {}
+    sizes: dict[str, int] = {}
+    for buffer in model.modules_buffers:
+        name = str(buffer.dtype).removeprefix("torch.")
+        sizes[name] = sizes.get(name, 0) + buffer.numel() * buffer.element_size()
+    return sizes
+
+
 def hook_state(name: str, powersgd_rank: int, powersgd_start_iter: int) -> object | None:
     """The state a hook keeps between steps (after the process group exists)."""
     make_state = comm_hook(name).make_state

@@ -160,7 +160,12 @@ def _ddp_settings(metrics: dict[str, float]) -> dict[str, Any] | None:
     logged = {k.split("/", 1)[1]: v for k, v in metrics.items() if k.startswith("ddp/")}
     if not logged:
         return None
-    flags = ("gradient_as_bucket_view", "static_graph", "find_unused_parameters")
+    flags = (
+        "gradient_as_bucket_view",
+        "forward_sync_buffers",
+        "static_graph",
+        "find_unused_parameters",
+    )
     settings: dict[str, Any] = {
         key: bool(value) if key in flags else value for key, value in logged.items()
     }
