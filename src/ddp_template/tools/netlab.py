@@ -932,6 +932,12 @@ def _print_probe(lab: Lab, repeats: int, allreduce: bool, save: Path | None = No
             f"{format_rate(int(measured['all_gather_bandwidth_bps']))}"
         )
         print(ladder_line(measured))
+        if "forward_broadcast_s" in measured:
+            print(
+                "buffer broadcast (DDP's, at each forward's start): "
+                f"{measured['broadcast_s'] * 1e3:,.1f} ms idle, "
+                f"{measured['forward_broadcast_s'] * 1e3:,.1f} ms right after the nodes computed"
+            )
         if save is not None:
             from ddp_template.worker.results import write_json_atomic
 
