@@ -171,6 +171,8 @@ def test_1024_ranks_planned_from_the_command_line(tmp_path: Path) -> None:
         name = str(buffer.dtype).removeprefix("torch.")
         buffers[name] = buffers.get(name, 0) + buffer.numel() * buffer.element_size()
     assert planned["broadcast_buffer_bytes"] == buffers and set(buffers) == {"float32", "int64"}
+    assert "broadcast from rank 0 at each forward (strategy.forward_sync_buffers)" in proc.stdout
+    assert "of which the buffer broadcast 0.051" in proc.stdout  # 1,023 x 50 us
 
     prediction = planned["prediction"]
     assert "assumption" in prediction["link"] and "10gbit" in prediction["link"]

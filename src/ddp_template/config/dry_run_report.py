@@ -150,7 +150,19 @@ def _traffic(plan: dict[str, Any]) -> str:
             f"{hook}{mark} {size(figures['sent_per_rank'])} sent per rank in "
             f"{figures['all_reduces']} all-reduce(s)"
         )
-    return "; ".join(parts) + f" (ring: {traffic['ring_factor']:.4f} x the bucket bytes)"
+    text = "; ".join(parts) + f" (ring: {traffic['ring_factor']:.4f} x the bucket bytes)"
+    buffers = plan.get("broadcast_buffer_bytes") or {}
+    if buffers:
+        text += (
+            f"; and the buffers, {size(sum(buffers.values()))} broadcast from rank 0 at each "
+            "forward (strategy.forward_sync_buffers)"
+        )
+    return text
+
+
+def _of_which_buffers(p: dict[str, Any]) -> str:
+    seconds = p.get("buffer_broadcast_s") or 0.0
+    return f", of which the buffer broadcast {seconds:.4f} s" if seconds else ""
 
 
 def _prediction(prediction: dict[str, Any]) -> list[tuple[str, str]]:
@@ -163,7 +175,8 @@ def _prediction(prediction: dict[str, Any]) -> list[tuple[str, str]]:
             (
                 f"  {hook}{mark}",
                 f"{p['step_s']:.4f} s (compute {p['compute_s']:.4f} s, exposed communication "
-                f"{p['exposed_comm_s']:.4f} s), scaling efficiency {p['efficiency']:.0%}",
+                f"{p['exposed_comm_s']:.4f} s{_of_which_buffers(p)}), scaling efficiency "
+                f"{p['efficiency']:.0%}",
             )
         )
     return rows

@@ -27,8 +27,9 @@ coalesced broadcast of a small float32 and a small int64 tensor from rank 0, tim
 right after every rank has computed a burst, as the forward follows the optimizer's step.
 gloo's broadcast is a binomial tree (gloo/broadcast.cc: ceil(log2 W) rounds, each a whole
 send that waits for the receiver), so rank 0 waits for its children to come out of their
-compute: on the 8-node lab at 0.2 core it cost the forward 100-200 ms where an idle
-broadcast's hops read 12 (docs/nodes.md, "The forward's buffer broadcast").
+compute. On the 8-node lab at 0.2 core the jobs' forward lost 18 to 203 ms to it, where
+this probe read 1.4 ms idle and 19 ms after its burst: a burst of equal work on every node
+is not a training step (docs/nodes.md, "The forward's buffer broadcast").
 
 `under_compute` measures the same all-reduces again while every rank computes (a loop of
 matrix products on its main thread, as the backward computes while DDP's buckets are on

@@ -457,9 +457,9 @@ def buffer_broadcast_s(run: MeasuredRun, world: int, link: Link) -> float:
     broadcast_coalesced groups the buffers by type and keeps two in flight, so a pair takes
     as long as its longer one). On gloo each of the tree's rounds sends the whole buffer:
     the longer of its bytes' time and a round's wait, the probe's `forward_broadcast_s`
-    per round where probed (rank 0 waits for its children to finish the step before;
-    measured on the 8-node lab: 100-200 ms, where idle hops read 12). NCCL: the bytes once,
-    W - 1 waits."""
+    per round where probed (rank 0 waits for its children to finish the step before; on
+    the 8-node lab the jobs' forward lost 18 to 203 ms to it, where the probe read 19 ms:
+    docs/nodes.md). NCCL: the bytes once, W - 1 waits."""
     if world <= 1 or not run.broadcast_buffer_bytes:
         return 0.0
     rounds = broadcast_rounds(world, run.backend)
