@@ -194,6 +194,42 @@ def test_an_mtu_out_of_range_is_one_paragraph_and_builds_nothing() -> None:
         assert Lab.load("tmtu") is None
 
 
+def test_a_quota_period_without_a_quota_is_refused_and_builds_nothing() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddp_template.tools.netlab", "up", "--cpu-period-us", "5000"]
+        + ["--prefix", "tperiod"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: --cpu-period-us=5000 is not valid")
+    assert "--cpu-fraction" in proc.stderr and proc.stderr.count("\n") == 1
+    assert Lab.load("tperiod") is None
+
+
+def test_output_cut_short_by_a_pipe_ends_without_a_traceback() -> None:
+    """`netlab status | head -1`: a status longer than the pipe holds, its reader gone."""
+    script = (
+        "import sys\n"
+        "from ddp_template.tools import netlab\n"
+        "class Long:\n"
+        "    def describe(self):\n"
+        "        return 'node\\n' * 200000\n"
+        "netlab.Lab.load = staticmethod(lambda prefix: Long())\n"
+        "sys.exit(netlab.main(['status']))\n"
+    )
+    proc = subprocess.run(
+        ["bash", "-c", 'python -c "$0" | head -1', script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**subprocess_env(), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"},
+    )
+    assert proc.stdout == "node\n"
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+
+
 # --- jobs of two nodes over the lab ----------------------------------------------------
 
 

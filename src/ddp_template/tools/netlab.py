@@ -798,7 +798,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument(
         "--cpu-period-us",
         type=int,
-        default=DEFAULT_CPU_PERIOD_US,
+        default=None,
         help="with --cpu-fraction: the quota's period in microseconds (1000-1000000; default "
         "100000, the kernel's): a throttled node waits up to (1 - fraction) x period",
     )
@@ -835,10 +835,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "run":
         _options_before_the_command(args)
     try:
-        return _dispatch(args)
+        code = _dispatch(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at the exit
+        return code
     except UserFacingError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # `netlab status | head -1`: the reader has what it wanted. Python's own recipe: no
+        # traceback, and nothing more written to the closed pipe at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _options_before_the_command(args: argparse.Namespace) -> None:
@@ -856,6 +863,14 @@ def _options_before_the_command(args: argparse.Namespace) -> None:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "up":
+        if args.cpu_period_us is not None and args.cpu_fraction in (None, "none", ""):
+            raise ConfigError(
+                "--cpu-period-us",
+                args.cpu_period_us,
+                "a period for the nodes' cpu quota, which only --cpu-fraction sets: without "
+                "it no node has a quota and the period would change nothing",
+                "add --cpu-fraction (e.g. --cpu-fraction 0.5), or leave --cpu-period-us out",
+            )
         print(
             Lab.up(
                 args.nodes,
@@ -866,7 +881,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                 args.cpu_fraction,
                 args.memory_per_node,
                 args.mtu,
-                args.cpu_period_us,
+                args.cpu_period_us or DEFAULT_CPU_PERIOD_US,
             ).describe()
         )
         return 0
