@@ -73,7 +73,7 @@ def build_strategy(cfg: DictConfig) -> Strategy | str:
         return NodeCheckedDDPStrategy(node_config=node_config) if world_size(cfg) > 1 else "auto"
     if name == "fsdp":
         return _sharded_strategy(options, world_size(cfg), node_config)
-    ddp_kwargs = _ddp_kwargs({str(k): v for k, v in options.items() if k not in _STRATEGY_KEYS})
+    ddp_kwargs = ddp_arguments({str(k): v for k, v in options.items() if k not in _STRATEGY_KEYS})
     return NodeCheckedDDPStrategy(
         node_config=node_config,
         comm_hook=options["comm_hook"],
@@ -86,14 +86,15 @@ def build_strategy(cfg: DictConfig) -> Strategy | str:
     )
 
 
-def _ddp_kwargs(options: dict[str, Any]) -> dict[str, Any]:
+def ddp_arguments(options: dict[str, Any]) -> dict[str, Any]:
     """DistributedDataParallel's arguments; `forward_sync_buffers` was `broadcast_buffers`
     before torch 2.13 (the same switch of the per-forward broadcast)."""
     import inspect
 
     from torch.nn.parallel import DistributedDataParallel
 
-    if "forward_sync_buffers" not in inspect.signature(DistributedDataParallel).parameters:
+    accepted = inspect.signature(DistributedDataParallel).parameters
+    if "forward_sync_buffers" in options and "forward_sync_buffers" not in accepted:
         options["broadcast_buffers"] = options.pop("forward_sync_buffers")
     return options
 

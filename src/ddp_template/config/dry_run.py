@@ -250,8 +250,12 @@ class BucketRecorder:
 
 def ddp_options(cfg: DictConfig) -> dict[str, Any]:
     """The strategy's keys that DistributedDataParallel takes (bucket size, views, ...)."""
+    from ddp_template.build import ddp_arguments
+
     accepted = inspect.signature(DistributedDataParallel).parameters
-    return {key: value for key, value in cfg.strategy.items() if key in accepted}
+    # The worker's own translation first (forward_sync_buffers on an older torch).
+    options = ddp_arguments({str(key): value for key, value in cfg.strategy.items()})
+    return {key: value for key, value in options.items() if key in accepted}
 
 
 def model_figures(cfg: DictConfig, module: Any, batch: Any) -> dict[str, Any]:
