@@ -11,6 +11,7 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
+from helpers.runs import free_port
 
 from ddp_template.launch import leaving
 
@@ -62,3 +63,38 @@ def test_a_job_without_a_store_leaves_at_once(monkeypatch: pytest.MonkeyPatch) -
     started = time.monotonic()
     leaving.leave_together(linger_s=30)
     assert time.monotonic() - started < 1
+
+
+# A DDP worker sets up its process group through the project's strategy and returns
+# without leaving it, as a `ddp_spawn` worker does after `fit` or `test`; the exit function
+# registered first runs last and reports whether the group was still alive then.
+SPAWNED_WORKER = """
+import atexit, os, sys
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.accelerators import CPUAccelerator
+from ddp_template.worker.node_agreement import NodeCheckedDDPStrategy
+atexit.register(lambda: print("alive at exit:", dist.is_initialized(), flush=True))
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+strategy = NodeCheckedDDPStrategy(
+    accelerator=CPUAccelerator(),
+    parallel_devices=[torch.device("cpu")],
+    cluster_environment=LightningEnvironment(),
+    process_group_backend="gloo",
+)
+strategy.setup_distributed()
+print("alive after setup:", dist.is_initialized(), flush=True)
+"""
+
+
+def test_a_worker_that_returns_with_its_process_group_leaves_it_at_exit() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", SPAWNED_WORKER, str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "alive after setup: True" in done.stdout
+    assert "alive at exit: False" in done.stdout, done.stdout

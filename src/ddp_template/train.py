@@ -180,6 +180,7 @@ def _fit_and_test(cfg: DictConfig) -> dict[str, Any] | None:
     from ddp_template.build import build_task, build_trainer
     from ddp_template.callbacks.ddp_settings import DDPSettingsMonitor
     from ddp_template.debug import explain_unused_parameters
+    from ddp_template.launch.leaving import leave_process_group
     from ddp_template.resume.attempts import attempts_summary, requeue_count, restart_count
     from ddp_template.resume.decision import resume_point
     from ddp_template.worker.compiling import compile_if_asked
@@ -219,7 +220,7 @@ def _fit_and_test(cfg: DictConfig) -> dict[str, Any] | None:
     # Gloo's worker threads outlive a process group left to the interpreter's exit, which
     # then aborts ("terminate called without an active exception", pytorch#190489): the
     # last collective is done, so every rank leaves the group here.
-    _leave_process_group()
+    leave_process_group()
     if not trainer.is_global_zero:
         return None
     job_dir = Path(cfg.paths.output_dir)
@@ -237,13 +238,6 @@ def _fit_and_test(cfg: DictConfig) -> dict[str, Any] | None:
     write_json_atomic(job_dir / RESULTS_FILE, results)
     attach_results(trainer.loggers, job_dir / RESULTS_FILE, results)
     return results
-
-
-def _leave_process_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @contextlib.contextmanager

@@ -51,6 +51,29 @@ def leave_together(wait_s: float = WAIT_S, linger_s: float = LINGER_S) -> None:
         time.sleep(linger_s)
 
 
+def leave_process_group() -> None:
+    """Destroys this process's default process group, if it has one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def leave_process_group_at_exit() -> None:
+    """A process that ends with its gloo group alive can abort in the interpreter's
+    finalisation ("terminate called without an active exception": gloo's worker threads
+    outlive the group, pytorch#190489). Lightning registers this only for NCCL; a
+    `ddp_spawn` worker returns from `fit` or `test` and exits with its group, so every
+    rank's exit leaves it (nothing to do where the run already left)."""
+    global _LEAVES_AT_EXIT
+    if not _LEAVES_AT_EXIT:
+        atexit.register(leave_process_group)
+        _LEAVES_AT_EXIT = True
+
+
+_LEAVES_AT_EXIT = False
+
+
 def _mark_left(store: Any, rank: int) -> None:
     with contextlib.suppress(Exception):
         store.set(f"left/{rank}", "1")

@@ -52,7 +52,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from torch.distributed.constants import default_pg_timeout
 
 from ddp_template.errors import TrainingStopped, UserFacingError
-from ddp_template.launch.leaving import remember_job_store
+from ddp_template.launch.leaving import leave_process_group_at_exit, remember_job_store
 from ddp_template.launch.network import Endpoint, choose_endpoint, use_endpoint
 from ddp_template.worker.comm_hooks import CommHookDDPStrategy
 
@@ -680,6 +680,7 @@ class NodeCheckedDDPStrategy(CommHookDDPStrategy):
     def setup_distributed(self) -> None:
         start_checked_process_group(self, self.node_config)
         super().setup_distributed()
+        leave_process_group_at_exit()
 
 
 def start_checked_process_group(strategy: Any, node_config: dict[str, Any]) -> None:
