@@ -82,6 +82,7 @@ strategy = NodeCheckedDDPStrategy(
     parallel_devices=[torch.device("cpu")],
     cluster_environment=LightningEnvironment(),
     process_group_backend="gloo",
+    start_method="spawn",
 )
 strategy.setup_distributed()
 print("alive after setup:", dist.is_initialized(), flush=True)

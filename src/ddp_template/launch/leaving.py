@@ -63,8 +63,8 @@ def leave_process_group_at_exit() -> None:
     """A process that ends with its gloo group alive can abort in the interpreter's
     finalisation ("terminate called without an active exception": gloo's worker threads
     outlive the group, pytorch#190489). Lightning registers this only for NCCL; a
-    `ddp_spawn` worker returns from `fit` or `test` and exits with its group, so every
-    rank's exit leaves it (nothing to do where the run already left)."""
+    `ddp_spawn` worker returns from `fit` or `test` and exits with its group, so its exit
+    leaves it (nothing to do where the run already left)."""
     global _LEAVES_AT_EXIT
     if not _LEAVES_AT_EXIT:
         atexit.register(leave_process_group)

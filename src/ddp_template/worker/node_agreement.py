@@ -680,7 +680,11 @@ class NodeCheckedDDPStrategy(CommHookDDPStrategy):
     def setup_distributed(self) -> None:
         start_checked_process_group(self, self.node_config)
         super().setup_distributed()
-        leave_process_group_at_exit()
+        if self._start_method == "spawn":
+            # Lightning's spawned workers return from `fit` and `test` with the group
+            # alive; a torchrun or popen worker leaves it at the end of train.py, and on
+            # an error keeps the interpreter's own way out.
+            leave_process_group_at_exit()
 
 
 def start_checked_process_group(strategy: Any, node_config: dict[str, Any]) -> None:
