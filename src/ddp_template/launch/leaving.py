@@ -64,14 +64,8 @@ def leave_process_group_at_exit() -> None:
     finalisation ("terminate called without an active exception": gloo's worker threads
     outlive the group, pytorch#190489). Lightning registers this only for NCCL; a
     `ddp_spawn` worker returns from `fit` or `test` and exits with its group, so its exit
-    leaves it (nothing to do where the run already left)."""
-    global _LEAVES_AT_EXIT
-    if not _LEAVES_AT_EXIT:
-        atexit.register(leave_process_group)
-        _LEAVES_AT_EXIT = True
-
-
-_LEAVES_AT_EXIT = False
+    leaves it (a second registration, or a run that already left, finds nothing to do)."""
+    atexit.register(leave_process_group)
 
 
 def _mark_left(store: Any, rank: int) -> None:
