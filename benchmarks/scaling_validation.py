@@ -3,18 +3,23 @@
 For each node count N (2, 4, 8) the machine's cores are shared out as N nodes of a fraction
 of a core each (a cgroup v1 cpu quota, by default 1.6 cores / N, at most 0.8), all under one
 parent cgroup whose weight keeps other work on the machine from taking the quota. At that
-fraction it runs, in order:
+fraction, with the N-node lab up, it goes `--repeats R` times (default 1) through a pass:
 
 1. the one-node run users feed the model (`train.py experiment=benchmark strategy=ddp
-   devices=1`, plain Python, no lab), on node 0's core and quota;
-2. the command users run, on the same core and quota, for each link rate:
-   `python -m ddp_template.tools.scaling <one-node run> --nodes N --link <rate>
-   --hooks none,fp16,powersgd --buckets 1,25,100` (its own hook-cost probe);
-3. the N-node job on the lab (`ddp_template.tools.netlab`, one namespace per node, links
+   devices=1`, plain Python, not in the lab's namespaces), in node 0's quota, the other
+   N - 1 nodes' quotas busy with the same training;
+2. the N-node job on the lab (`ddp_template.tools.netlab`, one namespace per node, links
    shaped to the rate), one torchrun agent per node, each node in its own quota, for every
-   setting: comm_hook=none at bucket_cap_mb=1,25,100 and fp16, powersgd at 25 (`--full`:
-   every hook at every bucket size); `--repeats R` goes through them R times and takes the
-   median of each setting's runs.
+   setting at every rate: comm_hook=none at bucket_cap_mb=1,25,100 and fp16, powersgd at
+   25 (`--full`: every hook at every bucket size).
+
+Then, for each link rate, the command users run, fed the one-node run whose step is the
+median of the passes' (each setting is taken at the median of its runs too), on node 0's
+quota: `python -m ddp_template.tools.scaling <one-node run> --nodes N --link <rate>
+--hooks none,fp16,powersgd --buckets 1,25,100` (its own hook-cost probe; with
+`--link-from lab`, `--link lab`: the idle lab probed). The processes are placed as the lab
+places its nodes: pinned to a core (`--link-from rate`), or free on every core within
+their quota (`--link-from lab`).
 
 No figure from the N-node jobs goes into a prediction. Prints predicted against measured
 step time with the error per setting, and per case (node count x rate) the setting the
@@ -40,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,65 +142,114 @@ def wait_for_memory(needed_mb: int) -> None:
 # --- the three stages --------------------------------------------------------------------
 
 
-def one_node_run(args: argparse.Namespace, fraction: float, nodes: int) -> Path:
+def one_node_run(
+    args: argparse.Namespace, fraction: float, nodes: int, repeat: int = 0, command: bool = True
+) -> Path:
     """Node 0's one-node run, with the other N - 1 nodes' cores and quotas busy with the same
     training (as in the lab, where the nodes share the machine's caches and memory; on a
     cluster each node has a machine of its own, and a one-node run there computes as fast as
-    each node of the job)."""
-    folder = args.out / f"one_node_{fraction}"
+    each node of the job). `repeat`: the run of that pass (`--repeats`); `command`: with
+    --link-from rate, the command users run right after it, beside the same neighbours."""
+    folder = reference_folder(args.out, fraction, repeat)
     # With --link-from lab the command runs later, against the lab it probes.
-    rates = args.rate_list if args.link_from == "rate" else []
+    rates = args.rate_list if args.link_from == "rate" and command else []
     predicted = [args.out / f"predicted_{nodes}_{rate}.txt" for rate in rates]
     if (folder / "results.json").is_file() and all(p.is_file() for p in predicted):
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    neighbours = []
-    for index in range(1, nodes):
-        group = make_group(args.prefix, f"{args.prefix}-node{index}", fraction, args.cfs_period_us)
-        command = [
-            "taskset",
-            "-c",
-            str(core_of(index)),
-            PYTHON,
-            str(ROOT / "train.py"),
-            *train_args(args, args.warmup + 1, 100 * args.one_node_steps),
-            "devices=1",
-            f"hydra.run.dir={folder / 'neighbours' / str(index)}",
-        ]
-        neighbours.append(
-            subprocess.Popen(
-                in_group(group, command),
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                cwd=ROOT,
-                start_new_session=True,
-            )
-        )
-    try:
+    with busy_neighbours(args, folder, fraction, nodes):
         group = make_group(args.prefix, f"{args.prefix}-node0", fraction, args.cfs_period_us)
-        command = [
-            "taskset",
-            "-c",
-            str(core_of(0)),
-            PYTHON,
-            str(ROOT / "train.py"),
-            *train_args(args, args.warmup + 1, args.one_node_steps),
-            "devices=1",
-            f"hydra.run.dir={folder}",
-        ]
-        with open(folder / "node0.log", "w") as log:
-            run = subprocess.run(in_group(group, command), stdout=log, stderr=log, cwd=ROOT)
-        if run.returncode:
-            raise RuntimeError(f"the one-node run failed: see {folder}/node0.log")
+        if not (folder / "results.json").is_file():
+            command_line = [
+                *placement(args, 0),
+                PYTHON,
+                str(ROOT / "train.py"),
+                *train_args(args, args.warmup + 1, args.one_node_steps),
+                "devices=1",
+                f"hydra.run.dir={folder}",
+            ]
+            with open(folder / "node0.log", "w") as log:
+                run = subprocess.run(
+                    in_group(group, command_line), stdout=log, stderr=log, cwd=ROOT
+                )
+            if run.returncode:
+                raise RuntimeError(f"the one-node run failed: see {folder}/node0.log")
         # The command users run next, on the same core, quota and neighbours.
         for rate in rates:
             predict_with_the_command(args, folder, nodes, rate, group)
+    return folder
+
+
+@contextlib.contextmanager
+def busy_neighbours(
+    args: argparse.Namespace, folder: Path, fraction: float, nodes: int
+) -> Iterator[None]:
+    """Nodes 1 to N - 1 train as node 0 does, each on its core and in its quota, until the
+    block ends."""
+    neighbours = []
+    try:
+        for index in range(1, nodes):
+            group = make_group(
+                args.prefix, f"{args.prefix}-node{index}", fraction, args.cfs_period_us
+            )
+            command = [
+                *placement(args, index),
+                PYTHON,
+                str(ROOT / "train.py"),
+                *train_args(args, args.warmup + 1, 100 * args.one_node_steps),
+                "devices=1",
+                f"hydra.run.dir={folder / 'neighbours' / str(index)}",
+            ]
+            neighbours.append(
+                subprocess.Popen(
+                    in_group(group, command),
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    cwd=ROOT,
+                    start_new_session=True,
+                )
+            )
+        yield
     finally:
         for proc in neighbours:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    return folder
+
+
+def reference_folder(out: Path, fraction: float, repeat: int) -> Path:
+    """The one-node run of pass `repeat`; the first keeps the name it always had."""
+    return out / (f"one_node_{fraction}" + (f"_r{repeat + 1}" if repeat else ""))
+
+
+def reference_steps(out: Path, fraction: float, repeats: int) -> list[tuple[float, Path]]:
+    """(median step s, folder) of the one-node runs there are, at most `repeats`."""
+    found = []
+    for repeat in range(repeats):
+        results = reference_folder(out, fraction, repeat) / "results.json"
+        if results.is_file():
+            step = float(json.loads(results.read_text())["step_time_median_s"])
+            found.append((step, results.parent))
+    return found
+
+
+def median_reference(out: Path, fraction: float, repeats: int) -> Path:
+    """The one-node run whose step is the median of the runs' (the lower middle one of an
+    even count): the run the command is fed, as the lab's jobs are taken at their median."""
+    runs = sorted(reference_steps(out, fraction, repeats))
+    if not runs:
+        raise RuntimeError(f"no one-node run in {out} at {fraction} of a core")
+    return runs[(len(runs) - 1) // 2][1]
+
+
+def placement(args: argparse.Namespace, index: int) -> list[str]:
+    """How node `index`'s processes are placed, as the lab places its nodes: netlab pins a
+    node without a quota to its core (--link-from rate); a node in the lab's own quota
+    (--link-from lab) may run on every core, and so do its one-node run, the neighbours and
+    the command."""
+    if args.link_from == "lab":
+        return []
+    return ["taskset", "-c", str(core_of(index))]
 
 
 def core_of(index: int) -> int:
@@ -224,9 +279,7 @@ def predict_with_the_command(
             else ["--link", "lab", "--lab", args.prefix]
         )
     command = [
-        "taskset",
-        "-c",
-        str(core_of(0)),
+        *placement(args, 0),
         PYTHON,
         "-m",
         "ddp_template.tools.scaling",
@@ -322,20 +375,16 @@ def measure(args: argparse.Namespace) -> None:
     for nodes in args.node_counts:
         fraction = args.current = fraction_for(nodes, args.total_cores)
         wait_for_memory(2000 * nodes + 2000)
-        one_node = one_node_run(args, fraction, nodes)
-        wait_for_memory(2000 * nodes + 2000)
         lab = lab_for(args, nodes)
         try:
-            for rate in args.rate_list:
-                lab.set_rate(parse_rate(rate))
-                if args.link_from == "lab":
-                    group = make_group(
-                        args.prefix, f"{args.prefix}-node0", fraction, args.cfs_period_us
-                    )
-                    predict_with_the_command(args, one_node, nodes, rate, group)
-                # Each repeat goes once through the grid: a slow spell of the machine falls
-                # on one run of several settings, not on every run of one.
-                for repeat in range(args.repeats):
+            # Each repeat is one pass: a one-node run (beside the idle lab), then every
+            # setting at every rate. A slow spell of the machine falls on one run of several
+            # settings and of the reference, not on every run of one; the command is fed the
+            # median one-node run, as each setting is taken at its median.
+            for repeat in range(args.repeats):
+                one_node_run(args, fraction, nodes, repeat, command=False)
+                for rate in args.rate_list:
+                    lab.set_rate(parse_rate(rate))
                     for hook, bucket in grid(args.full):
                         port += 1
                         folder = job_folder(args.out, nodes, rate, hook, bucket, repeat)
@@ -351,6 +400,16 @@ def measure(args: argparse.Namespace) -> None:
                             f"{repeat + 1}: {time.monotonic() - started:.0f} s",
                             flush=True,
                         )
+            reference = median_reference(args.out, fraction, args.repeats)
+            group = make_group(args.prefix, f"{args.prefix}-node0", fraction, args.cfs_period_us)
+            for rate in args.rate_list:
+                lab.set_rate(parse_rate(rate))
+                if args.link_from == "lab":
+                    # The lab's nodes idle: the probe measures the link, not the jobs.
+                    predict_with_the_command(args, reference, nodes, rate, group)
+                else:
+                    with busy_neighbours(args, reference, fraction, nodes):
+                        predict_with_the_command(args, reference, nodes, rate, group)
         finally:
             lab.down()
 
@@ -581,8 +640,26 @@ def write(args: argparse.Namespace, rows: list[dict], cases: list[dict]) -> None
         f"one-node run's, {sum(abs(r['error']) <= 0.15 for r in steady)} within 15%."
     )
     lines += sorted({f"- {c['nodes']} nodes: {c['probe']}" for c in cases})
+    lines += reference_lines(args)
     (out / "scaling_validation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def reference_lines(args: argparse.Namespace) -> list[str]:
+    """Each node count's one-node runs (median step s) and the one the command was fed."""
+    lines = []
+    for nodes in args.node_counts:
+        fraction = fraction_for(nodes, args.total_cores)
+        runs = reference_steps(args.out, fraction, args.repeats)
+        if not runs:
+            continue
+        steps = [step for step, _ in runs]
+        fed = median_reference(args.out, fraction, args.repeats)
+        lines.append(
+            f"- {nodes} nodes: one-node runs {', '.join(f'{s:.3f}' for s in steps)} s "
+            f"(spread {max(steps) / min(steps) - 1:.0%}); the command was fed {fed.name}"
+        )
+    return lines
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, nodes: str, name: str, prefix: str) -> None:

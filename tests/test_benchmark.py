@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from helpers.runs import ROOT, results, train
@@ -414,3 +415,29 @@ def test_the_fsdp_lab_report_sets_each_strategy_beside_its_prediction_and_ddp(
     assert "| 2 x 0.8 | 200mbit | ddp | 2.000 | 2.200 | +10.0% | 1.00 | 1.00 |" in proc.stdout
     assert "| 2 x 0.8 | 200mbit | fsdp | 4.000 | 3.000 | -25.0% | 2.00 | 1.36 |" in proc.stdout
     assert (out / "fsdp_lab.md").read_text().strip() == proc.stdout.strip()
+
+
+def test_the_validation_feeds_the_command_the_median_one_node_run(tmp_path: Path) -> None:
+    """With --repeats each pass has its own one-node run: the command is fed the one whose
+    step is the median (one slow or fast reference moves every prediction of its node
+    count), and the report lists them; a lab with quotas places the runs as it places its
+    nodes (every core), a pinned lab pins them."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import scaling_validation as sv
+
+    for name, step in (("one_node_0.2", 2.5), ("one_node_0.2_r2", 2.0), ("one_node_0.2_r3", 2.9)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps({"step_time_median_s": step}))
+    assert sv.median_reference(tmp_path, 0.2, 3).name == "one_node_0.2"
+    # Two runs: the lower middle one; one run: itself.
+    assert sv.median_reference(tmp_path, 0.2, 2).name == "one_node_0.2_r2"
+    assert sv.median_reference(tmp_path, 0.2, 1).name == "one_node_0.2"
+    args = SimpleNamespace(out=tmp_path, node_counts=[8], total_cores=1.6, repeats=3)
+    assert sv.reference_lines(args) == [
+        "- 8 nodes: one-node runs 2.500, 2.000, 2.900 s (spread 45%); the command was fed "
+        "one_node_0.2"
+    ]
+    with pytest.raises(RuntimeError, match="no one-node run"):
+        sv.median_reference(tmp_path, 0.4, 3)
+    assert sv.placement(SimpleNamespace(link_from="lab"), 3) == []
+    assert sv.placement(SimpleNamespace(link_from="rate"), 3)[:2] == ["taskset", "-c"]
