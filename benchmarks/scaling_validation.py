@@ -408,7 +408,9 @@ def measure(args: argparse.Namespace) -> None:
                     # The lab's nodes idle: the probe measures the link, not the jobs.
                     predict_with_the_command(args, reference, nodes, rate, group)
                 else:
-                    with busy_neighbours(args, reference, fraction, nodes):
+                    # Fresh folders for the neighbours: the one-node runs' are in use.
+                    neighbours = args.out / f"command_{fraction}"
+                    with busy_neighbours(args, neighbours, fraction, nodes):
                         predict_with_the_command(args, reference, nodes, rate, group)
         finally:
             lab.down()
