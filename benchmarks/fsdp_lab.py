@@ -86,9 +86,7 @@ def predict_fsdp(
     if not (folder / "dry_run.json").is_file():
         group = sv.make_group(args.prefix, f"{args.prefix}-node0", args.current, args.cfs_period_us)
         command = [
-            "taskset",
-            "-c",
-            str(sv.core_of(0)),
+            *sv.placement(args, 0),
             sv.PYTHON,
             str(ROOT / "train.py"),
             *train_args(args, "fsdp", args.warmup, args.steps),

@@ -139,7 +139,7 @@ def wait_for_memory(needed_mb: int) -> None:
         time.sleep(20)
 
 
-# --- the three stages --------------------------------------------------------------------
+# --- the one-node run, the command, the lab's jobs ---------------------------------------
 
 
 def one_node_run(
@@ -236,10 +236,15 @@ def reference_steps(out: Path, fraction: float, repeats: int) -> list[tuple[floa
 def median_reference(out: Path, fraction: float, repeats: int) -> Path:
     """The one-node run whose step is the median of the runs' (the lower middle one of an
     even count): the run the command is fed, as the lab's jobs are taken at their median."""
-    runs = sorted(reference_steps(out, fraction, repeats))
+    runs = reference_steps(out, fraction, repeats)
     if not runs:
         raise RuntimeError(f"no one-node run in {out} at {fraction} of a core")
-    return runs[(len(runs) - 1) // 2][1]
+    return median_of(runs)
+
+
+def median_of(runs: list[tuple[float, Path]]) -> Path:
+    """The folder of the median (step s, folder) pair; the lower middle one of an even count."""
+    return sorted(runs)[(len(runs) - 1) // 2][1]
 
 
 def placement(args: argparse.Namespace, index: int) -> list[str]:
@@ -656,7 +661,7 @@ def reference_lines(args: argparse.Namespace) -> list[str]:
         if not runs:
             continue
         steps = [step for step, _ in runs]
-        fed = median_reference(args.out, fraction, args.repeats)
+        fed = median_of(runs)
         lines.append(
             f"- {nodes} nodes: one-node runs {', '.join(f'{s:.3f}' for s in steps)} s "
             f"(spread {max(steps) / min(steps) - 1:.0%}); the command was fed {fed.name}"
