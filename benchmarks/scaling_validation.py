@@ -485,6 +485,25 @@ def lab_forward(records: list[dict]) -> float | None:
     return statistics.median(forwards) if forwards else None
 
 
+def rank_cpu(records: list[dict]) -> float | None:
+    """The median over a setting's runs of each run's median rank CPU per step."""
+    cpus = [
+        float(r["cpu_s_per_step_over_ranks"]["median"])
+        for r in records
+        if r.get("cpu_s_per_step_over_ranks")
+    ]
+    return statistics.median(cpus) if cpus else None
+
+
+def one_node_cpu(args: argparse.Namespace, nodes: int) -> float | None:
+    """The CPU per step of the one-node run the command was fed (None: not recorded)."""
+    fraction = fraction_for(nodes, args.total_cores)
+    if not reference_steps(args.out, fraction, args.repeats):
+        return None
+    fed = median_reference(args.out, fraction, args.repeats)
+    return rank_cpu([json.loads((fed / "results.json").read_text())])
+
+
 def probe_line(path: Path) -> str:
     return next(x for x in path.read_text().splitlines() if x.startswith("hook compute"))
 
@@ -503,6 +522,7 @@ def rows_of(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
             parts = predicted_parts(args.out / f"predicted_{nodes}_{rate}.txt")
             measured = {}
             reference_forward = one_node_forward(args.out / f"predicted_{nodes}_{rate}.txt")
+            reference_cpu = one_node_cpu(args, nodes)
             for hook, bucket in grid(args.full):
                 records = []
                 for repeat in range(args.repeats):
@@ -517,10 +537,12 @@ def rows_of(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
                 step = measured[(hook, bucket)] = statistics.median(steps)
                 lab_compute, lab_exposed = _median_parts(records)
                 forward = lab_forward(records)
+                cpu = rank_cpu(records)
+                fraction = fraction_for(nodes, args.total_cores)
                 rows.append(
                     {
                         "nodes": nodes,
-                        "core_fraction": fraction_for(nodes, args.total_cores),
+                        "core_fraction": fraction,
                         "cfs_period_us": measured_period(args.out),
                         "rate": rate,
                         "comm_hook": hook,
@@ -542,6 +564,15 @@ def rows_of(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
                             if forward and reference_forward
                             else None
                         ),
+                        # The CPU a rank spent per step (all its threads, the kernel's work
+                        # for its sockets included), against the one-node run's, and the
+                        # share of its node's quota that used: near 1 the step is bound by
+                        # the node's cores, compute and communication taking turns.
+                        "rank_cpu_per_step_s": _rounded(cpu),
+                        "rank_cpu_vs_one_node": (
+                            round(cpu / reference_cpu - 1, 4) if cpu and reference_cpu else None
+                        ),
+                        "quota_used": round(cpu / (step * fraction), 4) if cpu else None,
                     }
                 )
             if not measured:
@@ -589,6 +620,10 @@ def _share(value: float | None) -> str:
     return "n/a" if value is None else f"{value:+.0%}"
 
 
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0%}"
+
+
 def _figure(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
@@ -609,8 +644,9 @@ def write(args: argparse.Namespace, rows: list[dict], cases: list[dict]) -> None
     lines = [
         "| nodes x core | link | comm_hook | bucket_cap_mb | runs (spread) | measured step s "
         "| predicted s | error | measured F + B s | predicted compute s | measured exposed s "
-        "| predicted exposed s | lab's forward vs one node's |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| predicted exposed s | lab's forward vs one node's | rank CPU s per step "
+        "(vs one node's) | quota used |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['nodes']} x {r['core_fraction']} | {r['rate']} | {r['comm_hook']} | "
@@ -618,7 +654,9 @@ def write(args: argparse.Namespace, rows: list[dict], cases: list[dict]) -> None
         f"{r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | "
         f"{r['error']:+.1%} | {_figure(r.get('measured_forward_backward_s'))} | "
         f"{_figure(r.get('predicted_compute_s'))} | {_figure(r.get('measured_exposed_comm_s'))} | "
-        f"{_figure(r.get('predicted_exposed_comm_s'))} | {_share(r['forward_vs_one_node'])} |"
+        f"{_figure(r.get('predicted_exposed_comm_s'))} | {_share(r['forward_vs_one_node'])} | "
+        f"{_figure(r.get('rank_cpu_per_step_s'))} ({_share(r.get('rank_cpu_vs_one_node'))}) | "
+        f"{_percent(r.get('quota_used'))} |"
         for r in rows
     ]
     lines += [
@@ -662,9 +700,14 @@ def reference_lines(args: argparse.Namespace) -> list[str]:
             continue
         steps = [step for step, _ in runs]
         fed = median_of(runs)
+        fed_step = next(step for step, folder in runs if folder == fed)
+        cpu = rank_cpu([json.loads((fed / "results.json").read_text())])
+        used = ""
+        if cpu:
+            used = f", {cpu:.3f} s of CPU a step ({cpu / (fed_step * fraction):.0%} of its quota)"
         lines.append(
             f"- {nodes} nodes: one-node runs {', '.join(f'{s:.3f}' for s in steps)} s "
-            f"(spread {max(steps) / min(steps) - 1:.0%}); the command was fed {fed.name}"
+            f"(spread {max(steps) / min(steps) - 1:.0%}); the command was fed {fed.name}{used}"
         )
     return lines
 

@@ -227,6 +227,13 @@ def test_comm_hook_runs_in_a_two_process_run(tmp_path: Path) -> None:
     assert out["peak_memory_mb_over_ranks"]["max_rank"] in (0, 1)
     assert out["data_wait_fraction_over_ranks"]["max"] == out["data_wait_fraction"]
     assert out["samples_per_sec_per_device"] == pytest.approx(out["samples_per_sec"] / 2)
+    # Each rank's CPU per step (its threads: the backward, PowerSGD, gloo's copies), positive
+    # and spread over both ranks.
+    cpu = out["cpu_s_per_step_over_ranks"]
+    assert 0 < cpu["min"] <= cpu["median"] <= cpu["max"] and {cpu["min_rank"], cpu["max_rank"]} <= {
+        0,
+        1,
+    }
 
 
 @pytest.mark.slow
@@ -348,7 +355,15 @@ def test_the_validation_report_takes_the_median_of_repeated_runs(tmp_path: Path)
             if name == "powersgd_25":  # the lab's forward: 0.2, 0.3, 0.21 s, median 0.21
                 forward = {1.0: 0.2, 1.9: 0.3, 1.1: 0.21}[step]
                 record["gradients"] = {"forward_compute_s": forward, "backward_compute_s": 0.3}
+                # A rank's CPU per step, median over its runs 0.85 s.
+                cpu = {1.0: 0.8, 1.9: 1.5, 1.1: 0.85}[step]
+                record["cpu_s_per_step_over_ranks"] = {"median": cpu}
             (folder / "results.json").write_text(json.dumps(record))
+    # The one-node run the command was fed: 0.4 s of CPU in a 0.52 s step at 0.8 of a core.
+    (out / "one_node_0.8").mkdir()
+    (out / "one_node_0.8" / "results.json").write_text(
+        json.dumps({"step_time_median_s": 0.52, "cpu_s_per_step_over_ranks": {"median": 0.4}})
+    )
     proc = run_script(
         "scaling_validation.py",
         *("--nodes", "2", "--rates", "200mbit", "--repeats", "3"),
@@ -360,6 +375,14 @@ def test_the_validation_report_takes_the_median_of_repeated_runs(tmp_path: Path)
     assert "| 2 x 0.8 | 200mbit | none | 1 | 1 (0%) | 2.000 | 2.000 | +0.0% |" in proc.stdout
     # Its forward beside the one-node run's (0.21 against 0.2), where the runs recorded it.
     assert "| 0.100 | +5% |" in proc.stdout and "| 0.100 | n/a |" in proc.stdout
+    # The rank's CPU per step against the one-node run's (0.85 against 0.4) and the share of
+    # the node's quota it used (0.85 s of 1.1 s x 0.8 core).
+    assert "| +5% | 0.850 (+112%) | 97% |" in proc.stdout
+    assert "| n/a | n/a (n/a) | n/a |" in proc.stdout
+    assert (
+        "- 2 nodes: one-node runs 0.520 s (spread 0%); the command was fed one_node_0.8, "
+        "0.400 s of CPU a step (96% of its quota)"
+    ) in proc.stdout
     assert "Of the 1 jobs whose forward ran within 10% of the one-node run's, 1 within 15%." in (
         proc.stdout
     )

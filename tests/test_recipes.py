@@ -240,6 +240,37 @@ def test_speed_monitor_splits_loader_wait_from_the_step() -> None:
     assert "perf/exposed_comm_s" not in logged
 
 
+def _spin(seconds: float) -> None:
+    """Busy this thread for `seconds` of CPU time."""
+    until = time.process_time() + seconds
+    while time.process_time() < until:
+        pass
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["sleeping steps", "computing steps"])
+def test_speed_monitor_reports_the_cpu_time_of_a_step(busy: bool) -> None:
+    """A step that sleeps 40 ms costs the rank almost no CPU; one that computes 40 ms of
+    CPU costs at least that: the CPU per step tells a rank bound by its cores from one that
+    waits."""
+    monitor = SpeedMonitor(warmup_batches=1)
+    module = _Recorder(device=torch.device("cpu"))
+    trainer = SimpleNamespace(precision="32-true", strategy=SimpleNamespace(model=module))
+    batch = (torch.zeros(8, 1), torch.zeros(8))
+    monitor.on_fit_start(trainer, module)
+    monitor.on_train_epoch_start(trainer, module)
+    for index in range(6):
+        monitor.on_train_batch_start(trainer, module, batch, index)
+        _spin(0.04) if busy else time.sleep(0.04)
+        monitor.on_train_batch_end(trainer, module, None, batch, index)
+    monitor.on_train_epoch_end(trainer, module)
+    cpu = module.logged["perf/cpu_s_per_step/median"]
+    assert module.logged["perf/cpu_s_per_step/max_rank"] == 0
+    if busy:
+        assert 0.04 <= cpu <= module.logged["perf/step_time_median_s"] * 2
+    else:
+        assert 0 <= cpu < 0.02
+
+
 def test_a_comm_hook_added_to_the_table_is_read_everywhere(
     one_rank_group, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -38,6 +38,11 @@ class SpeedMonitor(L.Callback):
       (and its spread): under `fsdp` on CPUs the median over the timed steps of the seconds
       the training thread waited in FSDP's collectives, under `ddp` DDP's own timers
       (`worker/comm_clock.py`); not logged where neither applies (one process, fsdp on GPUs);
+    - `perf/cpu_s_per_step/{min,median,max,...}`: over ranks, each rank's median CPU time
+      per timed step (every thread of its process, the kernel's work for them included: the
+      backward, the loop, the collectives' copies; not the loader's worker processes). Set
+      against the step time it says how busy a rank's cores were: a rank under a CPU quota
+      that computes and communicates on the same cores is bound by this sum, not by its link;
     - `perf/measured_steps`: steps timed;
     - `perf/warmup_time_s`: wall time of the untimed warm-up steps (the slowest rank's): with
       `compile=true` it holds the compilation, kept out of the step times;
@@ -74,6 +79,7 @@ class SpeedMonitor(L.Callback):
         self._first_start: float | None = None
         self._warmup_time = 0.0
         self._previous_end: float | None = None
+        self._previous_cpu = 0.0
         self._batch_start = 0.0
         self._batch_samples = 0
         self._samples = 0
@@ -81,6 +87,7 @@ class SpeedMonitor(L.Callback):
         self._waits: list[float] = []
         self._blocked_at_start = 0.0
         self._blocked: list[float] = []
+        self._cpu: list[float] = []
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._reset()
@@ -117,12 +124,15 @@ class SpeedMonitor(L.Callback):
         if self.sync_each_step:
             _synchronize(pl_module.device)
         end = time.perf_counter()
+        cpu = time.process_time()
         if self._steps_seen >= self.warmup_batches and self._previous_end is not None:
             self._periods.append(end - self._previous_end)
+            self._cpu.append(cpu - self._previous_cpu)
             self._waits.append(self._batch_start - self._previous_end)
             self._blocked.append(blocked_s() - self._blocked_at_start)
             self._samples += self._batch_samples
         self._previous_end = end
+        self._previous_cpu = cpu
         self._steps_seen += 1
         if self._steps_seen == self.warmup_batches:
             assert self._first_start is not None  # set by on_train_batch_start
@@ -142,6 +152,7 @@ class SpeedMonitor(L.Callback):
             peak_reserved_mb(device) or 0.0,
             self._warmup_time,
             _exposed_comm_s(trainer.strategy.model, self._blocked),
+            float(np.median(self._cpu)) if self._cpu else -1.0,
         ]
         # Every rank takes part in this collective, whether it timed any step or not.
         ranks = _gather_rows(mine, device)
@@ -169,6 +180,9 @@ class SpeedMonitor(L.Callback):
         if len(ranks) > 1 and min(exposed) >= 0:
             metrics["perf/exposed_comm_s"] = float(np.median(exposed))
             metrics.update(spread("perf/exposed_comm_s", exposed))
+        cpu = [row[9] for row in ranks]
+        if min(cpu) >= 0:
+            metrics.update(spread("perf/cpu_s_per_step", cpu))
         metrics["perf/measured_steps"] = float(len(self._periods))
         metrics["perf/warmup_time_s"] = max(row[7] for row in ranks)
         metrics["perf/warmup_steps"] = float(min(self.warmup_batches, self._steps_seen))

@@ -79,6 +79,8 @@ def collect_results(
         # What communication added to a step (callbacks/speed.py): null where not measured.
         "exposed_comm_s": metrics.get("perf/exposed_comm_s"),
         "exposed_comm_s_over_ranks": over_ranks(metrics, "perf/exposed_comm_s"),
+        # Each rank's CPU time per step (all its threads; callbacks/speed.py), over ranks.
+        "cpu_s_per_step_over_ranks": over_ranks(metrics, "perf/cpu_s_per_step"),
         "slowest_rank": _whole(metrics.get("perf/slowest_rank")),
         "measured_steps": int(metrics.get("perf/measured_steps", 0)),
         "compile": bool(cfg.get("compile", False)),
