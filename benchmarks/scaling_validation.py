@@ -684,10 +684,35 @@ def write(args: argparse.Namespace, rows: list[dict], cases: list[dict]) -> None
         f"Of the {len(steady)} jobs whose forward ran within {STEADY_FORWARD:.0%} of the "
         f"one-node run's, {sum(abs(r['error']) <= 0.15 for r in steady)} within 15%."
     )
+    lines += cpu_floor_lines(rows)
     lines += sorted({f"- {c['nodes']} nodes: {c['probe']}" for c in cases})
     lines += reference_lines(args)
     (out / "scaling_validation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def cpu_floor_lines(rows: list[dict]) -> list[str]:
+    """The predictions below their job's CPU floor: a rank's CPU per step over its node's
+    quota, the shortest step those seconds of CPU allow. A prediction under it cannot be met
+    whatever the link does; it says the model was not told what the job's CPU costs beyond
+    the one-node run's (the collectives' copies and sockets on the node's own cores)."""
+    known = [r for r in rows if r.get("rank_cpu_per_step_s")]
+    if not known:
+        return []
+    below = [
+        r for r in known if r["predicted_step_s"] < r["rank_cpu_per_step_s"] / r["core_fraction"]
+    ]
+    others = [r for r in known if r not in below]
+    line = (
+        f"{len(below)} of {len(known)} predictions lie below their job's CPU floor (a rank's "
+        "CPU per step over its quota)"
+    )
+    if below:
+        errors = sorted(r["error"] for r in below)
+        line += f": their errors {errors[0]:+.1%} to {errors[-1]:+.1%}"
+    if others:
+        line += f"; the other {len(others)}: mean error {statistics.mean(r['error'] for r in others):+.1%}"
+    return [line + "."]
 
 
 def reference_lines(args: argparse.Namespace) -> list[str]:

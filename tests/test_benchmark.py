@@ -358,6 +358,8 @@ def test_the_validation_report_takes_the_median_of_repeated_runs(tmp_path: Path)
                 # A rank's CPU per step, median over its runs 0.85 s.
                 cpu = {1.0: 0.8, 1.9: 1.5, 1.1: 0.85}[step]
                 record["cpu_s_per_step_over_ranks"] = {"median": cpu}
+            if name == "fp16_25":  # 0.5 s of CPU: a floor of 0.625 s, under its prediction
+                record["cpu_s_per_step_over_ranks"] = {"median": 0.5}
             (folder / "results.json").write_text(json.dumps(record))
     # The one-node run the command was fed: 0.4 s of CPU in a 0.52 s step at 0.8 of a core.
     (out / "one_node_0.8").mkdir()
@@ -379,6 +381,11 @@ def test_the_validation_report_takes_the_median_of_repeated_runs(tmp_path: Path)
     # the node's quota it used (0.85 s of 1.1 s x 0.8 core).
     assert "| +5% | 0.850 (+112%) | 97% |" in proc.stdout
     assert "| n/a | n/a (n/a) | n/a |" in proc.stdout
+    # 1.0 s predicted, under the 0.85 s / 0.8 core = 1.06 s its rank's CPU allows.
+    assert (
+        "1 of 2 predictions lie below their job's CPU floor (a rank's CPU per step over its "
+        "quota): their errors -9.1% to -9.1%; the other 1: mean error +22.4%."
+    ) in proc.stdout
     assert (
         "- 2 nodes: one-node runs 0.520 s (spread 0%); the command was fed one_node_0.8, "
         "0.400 s of CPU a step (96% of its quota)"
