@@ -23,7 +23,10 @@ their quota (`--link-from lab`).
 
 No figure from the N-node jobs goes into a prediction. Prints predicted against measured
 step time with the error per setting, and per case (node count x rate) the setting the
-command recommends among those measured against the measured best; writes
+command recommends among those measured against the measured best. Beside each setting:
+a rank's CPU per step (results.json's `cpu_s_per_step_over_ranks`) against the one-node
+run's, the share of its node's quota it used, and whether the prediction lies below the
+job's CPU floor (that CPU over the quota: no step can be shorter). Writes
 scaling_validation.csv/.json/.md into --out.
 
     .venv/bin/python benchmarks/scaling_validation.py --nodes 2,4 --full   # as root, ~30 min
