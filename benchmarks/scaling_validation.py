@@ -500,11 +500,10 @@ def rank_cpu(records: list[dict]) -> float | None:
 
 def one_node_cpu(args: argparse.Namespace, nodes: int) -> float | None:
     """The CPU per step of the one-node run the command was fed (None: not recorded)."""
-    fraction = fraction_for(nodes, args.total_cores)
-    if not reference_steps(args.out, fraction, args.repeats):
+    runs = reference_steps(args.out, fraction_for(nodes, args.total_cores), args.repeats)
+    if not runs:
         return None
-    fed = median_reference(args.out, fraction, args.repeats)
-    return rank_cpu([json.loads((fed / "results.json").read_text())])
+    return rank_cpu([json.loads((median_of(runs) / "results.json").read_text())])
 
 
 def probe_line(path: Path) -> str:

@@ -260,7 +260,10 @@ def test_speed_monitor_reports_the_cpu_time_of_a_step(busy: bool) -> None:
     monitor.on_train_epoch_start(trainer, module)
     for index in range(6):
         monitor.on_train_batch_start(trainer, module, batch, index)
-        _spin(0.04) if busy else time.sleep(0.04)
+        if busy:
+            _spin(0.04)
+        else:
+            time.sleep(0.04)
         monitor.on_train_batch_end(trainer, module, None, batch, index)
     monitor.on_train_epoch_end(trainer, module)
     cpu = module.logged["perf/cpu_s_per_step/median"]
