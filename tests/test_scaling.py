@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -183,6 +184,62 @@ def test_a_probed_link_under_compute_predicts_the_step_that_contention_costs() -
     )
 
 
+def _cpu_probed(cores: float, per_call: float, per_byte: float) -> Link:
+    rates = {"float32": 1e9, "float16": 1e9, "bfloat16": 1e9}
+    return Link.probed(
+        {
+            "latency_s": 1e-4,
+            "bandwidth_bps": rates,
+            "under_compute": {
+                "latency_s": 1e-4,
+                "bandwidth_bps": 1e9,
+                "compute_share": 1.0,
+                "cores": cores,
+                "cores_while_communicating": cores,
+            },
+            "cpu_s_per_all_reduce": per_call,
+            "cpu_s_per_byte": dict.fromkeys(rates, per_byte),
+        }
+    )
+
+
+def test_a_rank_bound_by_its_cpu_takes_that_cpu_then_the_exposed_communication() -> None:
+    """A rank on 0.2 of a core that spent 0.19 s of CPU in a one-node step of 0.95 s (its
+    quota's worth) spends the collectives' CPU on top, each call and each byte it sends
+    counted: the step is at least that CPU over 0.2 core, then the communication the
+    schedule leaves exposed (the lab's nodes did not overlap the two). The collectives' CPU
+    is counted once: the schedule then runs uncontended. A rate, or a run that did not
+    record its CPU, keeps the schedule alone."""
+    shapes = [[1024, 1024]] * 8  # 32 MiB of float32 gradients
+    run = _run(shapes=shapes, cpu_s_per_step=0.19)
+    per_call, per_byte = 1e-3, 2e-9
+    link = _cpu_probed(0.2, per_call, per_byte)
+    rated = Link.rated(1e9, 1e-4)  # the same link, uncontended, no CPU figures
+    sent = 2 * 7 / 8 * 32 * 2**20
+    for hook, cap, cost, calls, wire_bytes in (
+        ("none", 100, 0.0, 1, sent),  # one bucket; the run broadcasts no buffers
+        ("fp16", 100, 0.0, 1, sent / 2),  # half the bytes
+        ("none", 1, 0.0, len(shapes), sent),  # a bucket per gradient: a call each
+        ("none", 100, 0.5, 1, sent),  # the hook's compute at the run's 0.2 of a core
+    ):
+        cpu = 0.19 + cost * 0.19 / 0.95 + calls * per_call + wire_bytes * per_byte
+        p = predict(run, 8, hook, link, cost, cap)
+        schedule = predict(run, 8, hook, rated, cost, cap)
+        assert schedule.cpu_floor_s is None
+        floor = cpu / 0.2 + schedule.exposed_comm_s + run.data_wait_s
+        assert p.cpu_floor_s == pytest.approx(floor), (hook, cap, cost)
+        assert p.step_s == pytest.approx(max(floor, schedule.step_s))
+        assert p.compute_s + p.exposed_comm_s + p.data_wait_s == pytest.approx(p.step_s)
+    assert (
+        predict(run, 8, "none", link, 0.0, 100).step_s
+        > predict(run, 8, "none", rated, 0.0, 100).step_s
+    )
+    assert predict(_run(shapes=shapes), 8, "none", link, 0.0, 100).cpu_floor_s is None
+    assert "0.200 of a core while computing and all-reducing, 1000 us per all-reduce, 2.00 ns" in (
+        link.describe()
+    )
+
+
 @pytest.mark.slow
 def test_the_all_reduce_probe_measures_the_link_while_the_ranks_compute(tmp_path: Path) -> None:
     """Two real gloo processes on loopback: the probe's line carries the contended figures,
@@ -217,6 +274,11 @@ def test_the_all_reduce_probe_measures_the_link_while_the_ranks_compute(tmp_path
     assert link.compute_share == busy["compute_share"]
     assert link.gather_bandwidth_bps == measured["all_gather_bandwidth_bps"]
     assert link.broadcast_round_s == measured["forward_broadcast_s"]  # one round at W = 2
+    # What the collectives cost a rank's CPU, and the CPU a rank gets per second.
+    assert measured["cpu_s_per_all_reduce"] > 0
+    assert all(measured["cpu_s_per_byte"][dtype] > 0 for dtype in ("float32", "float16"))
+    assert 0 < busy["cores"] <= os.cpu_count() and busy["cores_while_communicating"] > 0
+    assert link.cores == busy["cores_while_communicating"]
 
 
 @pytest.mark.parametrize("bad", ["0", "2,0", "x", "", "-4"])

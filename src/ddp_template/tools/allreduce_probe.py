@@ -34,7 +34,12 @@ is not a training step (docs/nodes.md, "The forward's buffer broadcast").
 `under_compute` measures the same all-reduces again while every rank computes (a loop of
 matrix products on its main thread, as the backward computes while DDP's buckets are on
 the wire): the latency and float32 bandwidth then, and the share of the compute's speed
-left to it. On a node with cores to spare both stay as they were; on a node with a
+left to it; and the CPU a rank gets per second (`cores`: computing alone, every rank
+computing; `cores_while_communicating`: computing while the large all-reduces run).
+`cpu_s_per_all_reduce` and `cpu_s_per_byte` (per dtype, per byte a rank sends) are the
+CPU time the collectives cost a rank (`time.process_time()`: every thread of the
+process, the kernel's work for its sockets included): on a node of a fraction of a core
+that CPU is part of the step (the scaling model's CPU floor). On a node with cores to spare both stay as they were; on a node with a
 fraction of a core gloo's threads and the compute take turns on it, and the scaling model
 (`ddp_template.tools.scaling`) runs its overlapped schedule at those speeds.
 """
@@ -65,17 +70,25 @@ def measure(megabytes: float, repeats: int) -> dict[str, object]:
     small = torch.zeros(latency_elements(world))
     for _ in range(3):
         dist.all_reduce(small)
+    cpu = time.process_time()
     latencies = [_timed(lambda: dist.all_reduce(small)) / hops for _ in range(10)]
+    # A call's own CPU (every thread of the process, the kernel's work for its sockets
+    # included): the hops' sends and receives, whatever the bytes.
+    cpu_per_call = (time.process_time() - cpu) / len(latencies)
     latency = statistics.median(latencies)
-    bandwidth, readings = {}, {}
+    bandwidth, readings, cpu_per_byte = {}, {}, {}
     for name in DTYPES:
         dtype = getattr(torch, name)
         tensor = torch.ones(int(megabytes * 2**20) // torch.finfo(dtype).bits * 8, dtype=dtype)
         dist.all_reduce(tensor)
         sent = 2 * (world - 1) / world * tensor.numel() * tensor.element_size()
+        cpu = time.process_time()
         readings[name] = [
             sent * 8 / _timed(lambda t=tensor: dist.all_reduce(t)) for _ in range(repeats)
         ]
+        spent = time.process_time() - cpu - repeats * cpu_per_call
+        # gloo's copies and sums and the kernel's network path, per byte a rank sends.
+        cpu_per_byte[name] = max(0.0, spent) / (sent * repeats)
         bandwidth[name] = statistics.median(readings[name])
     by_size = size_ladder(world, repeats)
     gather = all_gather_readings(megabytes, repeats)
@@ -92,6 +105,8 @@ def measure(megabytes: float, repeats: int) -> dict[str, object]:
         "broadcast_s": statistics.median(buffer_broadcast_readings(repeats, burst_s=0.0)),
         "forward_broadcast_s": statistics.median(buffer_broadcast_readings(repeats)),
         "under_compute": under_compute(megabytes, latency, bandwidth["float32"]),
+        "cpu_s_per_all_reduce": cpu_per_call,
+        "cpu_s_per_byte": cpu_per_byte,
     }
 
 
@@ -200,14 +215,26 @@ def under_compute(megabytes: float, latency_s: float, bandwidth_bps: float) -> d
         math.ceil(CONTENDED_S / max(sent * 8 / bandwidth_bps, hops * latency_s, 1e-6))
     )
     a, b = torch.randn(COMPUTE_SIDE, COMPUTE_SIDE), torch.randn(COMPUTE_SIDE, COMPUTE_SIDE)
-    alone = _compute_rate(a, b, CONTENDED_S)
+    alone, cores_alone = _cores_used(lambda: _compute_rate(a, b, CONTENDED_S))
     small_s, _ = _while_computing(lambda: dist.all_reduce(small), min(small_count, 5000), a, b)
-    large_s, rate = _while_computing(lambda: dist.all_reduce(tensor), min(large_count, 50), a, b)
+    (large_s, rate), cores = _cores_used(
+        lambda: _while_computing(lambda: dist.all_reduce(tensor), min(large_count, 50), a, b)
+    )
     return {
         "latency_s": small_s / hops,
         "bandwidth_bps": sent * 8 / large_s,
         "compute_share": min(1.0, rate / alone),
+        "cores": cores_alone,
+        "cores_while_communicating": cores,
     }
+
+
+def _cores_used(action):
+    """The action's result, and the CPU seconds the process spent per second meanwhile:
+    on a node under a cpu quota, the share of a core it gets (every rank busy alike)."""
+    cpu, start = time.process_time(), time.perf_counter()
+    result = action()
+    return result, (time.process_time() - cpu) / max(time.perf_counter() - start, 1e-9)
 
 
 def _agreed(count: int) -> int:

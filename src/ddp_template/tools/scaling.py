@@ -51,6 +51,15 @@ per step (docs/nodes.md, "The model"):
       exposed = o * max(0, end of the last bucket - (F + B + H)) + (1 - o) * sum of t_k
       step = F + B + H + exposed + R + D
   "exposed communication" is what the all-reduce adds to the step.
+- a rank's CPU: where the run recorded its CPU per step (results.json's
+  `cpu_s_per_step_over_ranks`) and the probe measured what a collective costs a rank's
+  CPU and how much CPU a rank gets per second (`cores`), the collectives' CPU is counted as
+  CPU, not as compute speed lost (the schedule above then runs uncontended):
+      cpu = the run's CPU per step + H at the rate the run used its cores
+            + all-reduces x CPU per call + bytes sent x CPU per byte
+      step = max(the schedule's step, cpu / cores + exposed + D)
+  On the lab's nodes of a fraction of a core a rank bound by its quota did not overlap its
+  CPU with the communication left exposed (docs/nodes.md, "A CPU lane").
 
 Scaling efficiency is one node's step time over the predicted one (the batch per device
 stays the same, so N nodes process N times the samples per step at efficiency 1).
@@ -101,6 +110,9 @@ class MeasuredRun:
     # What DDP broadcasts from rank 0 at each forward (strategy.forward_sync_buffers), bytes
     # per dtype; empty: nothing (no buffers, the switch off, or a run that did not record it).
     broadcast_buffer_bytes: dict[str, int] = field(default_factory=dict)
+    # A rank's CPU time per step (results.json's cpu_s_per_step_over_ranks, the median
+    # rank); None: a run that did not record it.
+    cpu_s_per_step: float | None = None
 
     @property
     def rest_s(self) -> float:
@@ -130,6 +142,12 @@ class Link:
     # One round of the broadcast of DDP's buffers at a forward's start, right after the
     # nodes computed (the probe's forward_broadcast_s over its rounds); None: latency_s.
     broadcast_round_s: float | None = None
+    # The CPU a rank gets per second while it computes and all-reduces (a node's quota, less
+    # what the machine could not give), and what a collective costs it: CPU seconds per call
+    # and per byte it sends, per dtype. None: not probed (a rate: cores to spare).
+    cores: float | None = None
+    cpu_s_per_call: float = 0.0
+    cpu_s_per_byte: dict[str, float] | None = None
 
     @classmethod
     def rated(cls, bits_per_s: float, latency_s: float = 50e-6) -> Link:
@@ -157,6 +175,8 @@ class Link:
             )
         # Measured for float32; the other dtypes slow down by the same ratio.
         slowed = float(busy["bandwidth_bps"]) / bandwidth["float32"]
+        per_byte = measured.get("cpu_s_per_byte")
+        cores = busy.get("cores_while_communicating")
         return cls(
             bandwidth,
             float(measured["latency_s"]),
@@ -165,6 +185,9 @@ class Link:
             float(busy["compute_share"]),
             gather_bps,
             round_s,
+            float(cores) if cores and per_byte else None,
+            float(measured.get("cpu_s_per_all_reduce") or 0.0),
+            {dtype: float(v) for dtype, v in per_byte.items()} if per_byte else None,
         )
 
     def transfer_s(
@@ -195,6 +218,12 @@ class Link:
             text += f"; all-gather float32 {format_rate(int(self.gather_bandwidth_bps))}"
         if self.broadcast_round_s is not None:
             text += f"; buffer broadcast {self.broadcast_round_s * 1e6:.0f} us per round"
+        if self.cores is not None and self.cpu_s_per_byte is not None:
+            text += (
+                f"; a rank's CPU: {self.cores:.3f} of a core while computing and all-reducing, "
+                f"{self.cpu_s_per_call * 1e6:.0f} us per all-reduce, "
+                f"{self.cpu_s_per_byte['float32'] * 1e9:.2f} ns per float32 byte sent"
+            )
         return text
 
 
@@ -211,6 +240,8 @@ class Prediction:
     efficiency: float
     # Part of exposed_comm_s: DDP's buffer broadcast at the forward's start.
     buffer_broadcast_s: float = 0.0
+    # The shortest step a rank's CPU allows on its node (`cpu_floor_s`); None: not known.
+    cpu_floor_s: float | None = None
 
 
 def load_run(job: Path) -> MeasuredRun:
@@ -264,6 +295,9 @@ def load_run(job: Path) -> MeasuredRun:
             dtype: int(nbytes)
             for dtype, nbytes in (gradients.get("broadcast_buffer_bytes") or {}).items()
         },
+        cpu_s_per_step=float(cpu["median"])
+        if (cpu := record.get("cpu_s_per_step_over_ranks")) and cpu.get("median")
+        else None,
     )
 
 
@@ -392,11 +426,17 @@ def predict(
     world = nodes * run.devices_per_node
     backward = run.backward_s + hook_cost_s
     compute_end = run.forward_s + backward
+    # With a rank's CPU known (the run's and the probe's), the collectives' CPU is counted
+    # as CPU (`rank_cpu_s`), not as the compute's speed lost while a bucket is on the wire.
+    cpu_counted = run.cpu_s_per_step is not None and link.cores is not None
+    share = 1.0 if cpu_counted else link.compute_share
     groups = buckets(run.shapes, run.element_bytes, bucket_cap_mb)
     sizes = [sum(math.prod(run.shapes[i]) * run.element_bytes for i in g) for g in groups]
     total = sum(sizes) or 1
     transfers: list[Transfer] = []
     done_bytes = 0
+    # What the rank sends per step, in bytes, and how many collectives it calls.
+    sent_total, calls = 0.0, 0
     if world > 1:
         ring = 2 * (world - 1) / world
         spec = comm_hook(hook)
@@ -409,15 +449,17 @@ def predict(
                 sent_bytes(run.shapes[i], run.element_bytes, hook, run.powersgd_rank) for i in group
             )
             bits = ring * wire * 8
+            sent_total += ring * wire
+            calls += spec.all_reduces
             transfers.append(
                 Transfer(
                     backward * done_bytes / total,
                     link.transfer_s(spec.wire_dtype, bits, hops),
-                    link.transfer_s(spec.wire_dtype, bits, hops, busy=True),
+                    link.transfer_s(spec.wire_dtype, bits, hops, busy=not cpu_counted),
                 )
             )
     sent_s = sum(t.alone_s for t in transfers)
-    end = run.forward_s + overlapped_backward(backward, transfers, link.compute_share)
+    end = run.forward_s + overlapped_backward(backward, transfers, share)
     overlap = run_overlap(run) if overlap is None else overlap
     if needs_one_bucket_at_a_time(hook, run.backend):
         # The hook waits for each bucket inside the backward (comm_hooks.CountingHook):
@@ -426,6 +468,18 @@ def predict(
     buffers_s = buffer_broadcast_s(run, world, link)
     exposed = overlap * max(0.0, end - compute_end) + (1 - overlap) * sent_s + buffers_s
     step = compute_end + exposed + run.rest_s + run.data_wait_s
+    if world > 1:
+        calls += len(run.broadcast_buffer_bytes)
+    cpu = rank_cpu_s(run, link, hook_cost_s, calls, sent_total, comm_hook(hook).wire_dtype)
+    floor = None
+    if cpu is not None and link.cores:
+        # A node of a fraction of a core: the rank's CPU at the CPU its node gives it, then
+        # the communication the schedule leaves exposed (the lab's nodes, bound by their
+        # quota, did not overlap the two: docs/nodes.md, "A CPU lane").
+        floor = cpu / link.cores + exposed + run.data_wait_s
+        if floor > step:
+            exposed += floor - step
+            step = floor
     samples = world * run.samples_per_step_per_device / step
     one_node = run.forward_s + run.backward_s + run.rest_s + run.data_wait_s
     return Prediction(
@@ -439,6 +493,31 @@ def predict(
         samples,
         one_node / step,
         buffers_s,
+        floor,
+    )
+
+
+def rank_cpu_s(
+    run: MeasuredRun,
+    link: Link,
+    hook_cost_s: float,
+    calls: int,
+    sent_bytes_per_step: float,
+    wire_dtype: str,
+) -> float | None:
+    """A rank's CPU seconds per step at N nodes: the one-node run's (which communicates
+    nothing), the hook's own compute at the rate that run used its cores, and the
+    collectives': `calls` all-reduces (and buffer broadcasts) at the probe's CPU per call
+    and the bytes the rank sends at its CPU per byte. None where the run or the link does
+    not say (a rate: cores to spare)."""
+    if run.cpu_s_per_step is None or link.cores is None or link.cpu_s_per_byte is None:
+        return None
+    run_cores = run.cpu_s_per_step / max(run.step_s - run.data_wait_s, 1e-9)
+    return (
+        run.cpu_s_per_step
+        + hook_cost_s * run_cores
+        + calls * link.cpu_s_per_call
+        + sent_bytes_per_step * link.cpu_s_per_byte.get(wire_dtype, 0.0)
     )
 
 
@@ -750,7 +829,7 @@ def report(
             lines.append(
                 f"nodes={count} hook={hook} bucket_cap_mb={_mb(bucket)} compute {p.compute_s:.3f} s "
                 f"exposed comm {p.exposed_comm_s:.3f} s{_buffers(p)} data wait {p.data_wait_s:.3f} s "
-                f"predicted step time: {p.step_s:.3f} s  samples/s {p.samples_per_s:.1f}  "
+                f"{_floor(p)}predicted step time: {p.step_s:.3f} s  samples/s {p.samples_per_s:.1f}  "
                 f"scaling efficiency {p.efficiency:.0%}"
             )
     for count in counts:
@@ -857,6 +936,10 @@ def _probe_file(path: Path, option: str, allowed: str) -> dict[str, Any]:
             fix,
         ) from None
     return measured
+
+
+def _floor(p: Prediction) -> str:
+    return f"CPU floor {p.cpu_floor_s:.3f} s " if p.cpu_floor_s is not None else ""
 
 
 def _buffers(p: Prediction) -> str:
