@@ -606,10 +606,13 @@ def test_the_probe_saves_the_link_the_models_take(lab: Lab, tmp_path: Path) -> N
     )
     assert done.returncode == 0, done.stderr
     assert "all-gather (FSDP's, counted as a ring's): float32 " in done.stdout
+    assert "a rank's CPU: " in done.stdout and " us per all-reduce; per byte sent: " in done.stdout
     assert f"saved to {saved}" in done.stdout
     link = link_of(str(saved), 5e-5, "--link")
     measured = json.loads(saved.read_text())
     assert link.gather_bandwidth_bps == measured["all_gather_bandwidth_bps"] > 0
     assert link.busy_bandwidth_bps is not None and 0 < link.compute_share <= 1
+    # What a collective costs a rank's CPU: the model's CPU lane takes it from the file.
+    assert link.cores is not None and link.cores > 0 and link.cpu_s_per_call > 0
     # A shaped link of 1 Gbit/s: no collective measures faster than the rate.
     assert 0 < max(measured["bandwidth_bps"].values()) < 1.2e9

@@ -946,6 +946,16 @@ def _print_probe(lab: Lab, repeats: int, allreduce: bool, save: Path | None = No
             "all-gather (FSDP's, counted as a ring's): float32 "
             f"{format_rate(int(measured['all_gather_bandwidth_bps']))}"
         )
+        if "cpu_s_per_byte" in measured:
+            per_byte = ", ".join(
+                f"{d} {v * 1e9:.2f} ns" for d, v in measured["cpu_s_per_byte"].items()
+            )
+            print(
+                f"a rank's CPU: {busy['cores_while_communicating']:.3f} of a core while "
+                f"computing and all-reducing ({busy['cores']:.3f} computing alone); "
+                f"{measured['cpu_s_per_all_reduce'] * 1e6:,.0f} us per all-reduce; per byte "
+                f"sent: {per_byte}"
+            )
         print(ladder_line(measured))
         if "forward_broadcast_s" in measured:
             print(
