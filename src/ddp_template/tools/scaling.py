@@ -240,7 +240,8 @@ class Prediction:
     efficiency: float
     # Part of exposed_comm_s: DDP's buffer broadcast at the forward's start.
     buffer_broadcast_s: float = 0.0
-    # The shortest step a rank's CPU allows on its node (`cpu_floor_s`); None: not known.
+    # The shortest step a rank's CPU allows on its node (`rank_cpu_s` over the link's cores,
+    # plus the exposed communication); None: not known.
     cpu_floor_s: float | None = None
 
 
