@@ -6,16 +6,17 @@ parent cgroup whose weight keeps other work on the machine from taking the quota
 fraction, with the N-node lab up, it goes `--repeats R` times (default 1) through a pass:
 
 1. the one-node run users feed the model (`train.py experiment=benchmark strategy=ddp
-   devices=1`, plain Python, not in the lab's namespaces), in node 0's quota, the other
-   N - 1 nodes' quotas busy with the same training;
+   devices=1`, plain Python, not in the lab's namespaces), in node 0's quota, and beside
+   it the same run in each of the other N - 1 nodes' quotas: N one-node runs a pass, each
+   computing as a lab node does, its neighbours busy;
 2. the N-node job on the lab (`ddp_template.tools.netlab`, one namespace per node, links
    shaped to the rate), one torchrun agent per node, each node in its own quota, for every
    setting at every rate: comm_hook=none at bucket_cap_mb=1,25,100 and fp16, powersgd at
    25 (`--full`: every hook at every bucket size).
 
-Then, for each link rate, the command users run, fed the one-node run whose step is the
-median of the passes' (each setting is taken at the median of its runs too), on node 0's
-quota: `python -m ddp_template.tools.scaling <one-node run> --nodes N --link <rate>
+Then, for each link rate, the command users run, fed the one-node run whose step is
+nearest the median of all the passes' (each setting is taken at the median of its runs
+too), on node 0's quota: `python -m ddp_template.tools.scaling <one-node run> --nodes N --link <rate>
 --hooks none,fp16,powersgd --buckets 1,25,100` (its own hook-cost probe; with
 `--link-from lab`, `--link lab`: the idle lab probed). The processes are placed as the lab
 places its nodes: pinned to a core (`--link-from rate`), or free on every core within
@@ -151,8 +152,10 @@ def one_node_run(
     """Node 0's one-node run, with the other N - 1 nodes' cores and quotas busy with the same
     training (as in the lab, where the nodes share the machine's caches and memory; on a
     cluster each node has a machine of its own, and a one-node run there computes as fast as
-    each node of the job). `repeat`: the run of that pass (`--repeats`); `command`: with
-    --link-from rate, the command users run right after it, beside the same neighbours."""
+    each node of the job). The neighbours' runs are one-node runs too, of the same steps,
+    each under its own quota: N readings of the pass (`reference_steps`). `repeat`: the run
+    of that pass (`--repeats`); `command`: with --link-from rate, the command users run
+    right after it, beside neighbours that train on."""
     folder = reference_folder(args.out, fraction, repeat)
     # With --link-from lab the command runs later, against the lab it probes.
     rates = args.rate_list if args.link_from == "rate" and command else []
@@ -160,9 +163,9 @@ def one_node_run(
     if (folder / "results.json").is_file() and all(p.is_file() for p in predicted):
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    with busy_neighbours(args, folder, fraction, nodes):
+    if not (folder / "results.json").is_file():
         group = make_group(args.prefix, f"{args.prefix}-node0", fraction, args.cfs_period_us)
-        if not (folder / "results.json").is_file():
+        with busy_neighbours(args, folder, fraction, nodes, args.one_node_steps):
             command_line = [
                 *placement(args, 0),
                 PYTHON,
@@ -177,18 +180,23 @@ def one_node_run(
                 )
             if run.returncode:
                 raise RuntimeError(f"the one-node run failed: see {folder}/node0.log")
-        # The command users run next, on the same core, quota and neighbours.
-        for rate in rates:
-            predict_with_the_command(args, folder, nodes, rate, group)
+    if rates:
+        # The command users run next, on the same core and quota, beside neighbours that
+        # train on.
+        group = make_group(args.prefix, f"{args.prefix}-node0", fraction, args.cfs_period_us)
+        with busy_neighbours(args, args.out / f"command_{fraction}", fraction, nodes):
+            for rate in rates:
+                predict_with_the_command(args, folder, nodes, rate, group)
     return folder
 
 
 @contextlib.contextmanager
 def busy_neighbours(
-    args: argparse.Namespace, folder: Path, fraction: float, nodes: int
+    args: argparse.Namespace, folder: Path, fraction: float, nodes: int, steps: int | None = None
 ) -> Iterator[None]:
-    """Nodes 1 to N - 1 train as node 0 does, each on its core and in its quota, until the
-    block ends."""
+    """Nodes 1 to N - 1 train as node 0 does, each on its core and in its quota: with `steps`,
+    one-node runs of that many timed steps (each writes its results.json under
+    `folder`/neighbours; the block ends when they have); without, until the block ends."""
     neighbours = []
     try:
         for index in range(1, nodes):
@@ -199,7 +207,7 @@ def busy_neighbours(
                 *placement(args, index),
                 PYTHON,
                 str(ROOT / "train.py"),
-                *train_args(args, args.warmup + 1, 100 * args.one_node_steps),
+                *train_args(args, args.warmup + 1, steps or 100 * args.one_node_steps),
                 "devices=1",
                 f"hydra.run.dir={folder / 'neighbours' / str(index)}",
             ]
@@ -213,6 +221,11 @@ def busy_neighbours(
                 )
             )
         yield
+        if steps:
+            deadline = time.monotonic() + args.timeout
+            for proc in neighbours:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=max(1, deadline - time.monotonic()))
     finally:
         for proc in neighbours:
             with contextlib.suppress(ProcessLookupError):
@@ -226,19 +239,24 @@ def reference_folder(out: Path, fraction: float, repeat: int) -> Path:
 
 
 def reference_steps(out: Path, fraction: float, repeats: int) -> list[tuple[float, Path]]:
-    """(median step s, folder) of the one-node runs there are, at most `repeats`."""
+    """(median step s, folder) of the one-node runs there are in at most `repeats` passes:
+    node 0's, then its neighbours' (runs of the same steps beside it, each in its own quota;
+    folders measured before they wrote their results hold node 0's alone)."""
     found = []
     for repeat in range(repeats):
-        results = reference_folder(out, fraction, repeat) / "results.json"
-        if results.is_file():
-            step = float(json.loads(results.read_text())["step_time_median_s"])
-            found.append((step, results.parent))
+        folder = reference_folder(out, fraction, repeat)
+        neighbours = folder / "neighbours"
+        others = sorted(neighbours.iterdir(), key=lambda p: p.name) if neighbours.is_dir() else []
+        for results in (folder / "results.json", *(n / "results.json" for n in others)):
+            if results.is_file():
+                step = float(json.loads(results.read_text())["step_time_median_s"])
+                found.append((step, results.parent))
     return found
 
 
 def median_reference(out: Path, fraction: float, repeats: int) -> Path:
-    """The one-node run whose step is the median of the runs' (the lower middle one of an
-    even count): the run the command is fed, as the lab's jobs are taken at their median."""
+    """The one-node run whose step is nearest the median of the runs' (`median_of`): the run
+    the command is fed, as the lab's jobs are taken at their median."""
     runs = reference_steps(out, fraction, repeats)
     if not runs:
         raise RuntimeError(f"no one-node run in {out} at {fraction} of a core")
@@ -246,8 +264,10 @@ def median_reference(out: Path, fraction: float, repeats: int) -> Path:
 
 
 def median_of(runs: list[tuple[float, Path]]) -> Path:
-    """The folder of the median (step s, folder) pair; the lower middle one of an even count."""
-    return sorted(runs)[(len(runs) - 1) // 2][1]
+    """The folder of the (step s, folder) pair nearest the median step, the faster one of
+    two as near (with two runs, the faster: one of them has to be fed)."""
+    middle = statistics.median(step for step, _ in runs)
+    return min(sorted(runs), key=lambda run: abs(run[0] - middle))[1]
 
 
 def placement(args: argparse.Namespace, index: int) -> list[str]:
@@ -732,9 +752,16 @@ def reference_lines(args: argparse.Namespace) -> list[str]:
         used = ""
         if cpu:
             used = f", {cpu:.3f} s of CPU a step ({cpu / (fed_step * fraction):.0%} of its quota)"
+        listed = (
+            ", ".join(f"{s:.3f}" for s in steps)
+            if len(steps) <= 4
+            else f"{min(steps):.3f} to {max(steps):.3f}, median {statistics.median(steps):.3f},"
+        )
         lines.append(
-            f"- {nodes} nodes: one-node runs {', '.join(f'{s:.3f}' for s in steps)} s "
-            f"(spread {max(steps) / min(steps) - 1:.0%}); the command was fed {fed.name}{used}"
+            f"- {nodes} nodes: {len(steps)} one-node run{'s' if len(steps) > 1 else ''} "
+            f"{listed} s (spread "
+            f"{max(steps) / min(steps) - 1:.0%}); the command was fed "
+            f"{fed.relative_to(args.out)}{used}"
         )
     return lines
 

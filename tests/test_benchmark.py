@@ -385,7 +385,7 @@ def test_the_validation_report_takes_the_median_of_repeated_runs(tmp_path: Path)
         "quota): their errors -9.1% to -9.1%; the other 1: mean error +22.4%."
     ) in proc.stdout
     assert (
-        "- 2 nodes: one-node runs 0.520 s (spread 0%); the command was fed one_node_0.8, "
+        "- 2 nodes: 1 one-node run 0.520 s (spread 0%); the command was fed one_node_0.8, "
         "0.400 s of CPU a step (96% of its quota)"
     ) in proc.stdout
     assert "Of the 1 jobs whose forward ran within 10% of the one-node run's, 1 within 15%." in (
@@ -462,8 +462,20 @@ def test_the_validation_feeds_the_command_the_median_one_node_run(tmp_path: Path
     assert sv.median_reference(tmp_path, 0.2, 1).name == "one_node_0.2"
     args = SimpleNamespace(out=tmp_path, node_counts=[8], total_cores=1.6, repeats=3)
     assert sv.reference_lines(args) == [
-        "- 8 nodes: one-node runs 2.500, 2.000, 2.900 s (spread 45%); the command was fed "
+        "- 8 nodes: 3 one-node runs 2.500, 2.000, 2.900 s (spread 45%); the command was fed "
         "one_node_0.2"
+    ]
+    # The neighbours' runs of a pass (the same steps beside node 0's, each in its own quota)
+    # are one-node runs too: the median of all of them is fed.
+    for index, step in ((1, 2.7), (2, 2.6)):
+        neighbour = tmp_path / "one_node_0.2_r2" / "neighbours" / str(index)
+        neighbour.mkdir(parents=True)
+        (neighbour / "results.json").write_text(json.dumps({"step_time_median_s": step}))
+    fed = sv.median_reference(tmp_path, 0.2, 3)
+    assert fed == tmp_path / "one_node_0.2_r2" / "neighbours" / "2"
+    assert sv.reference_lines(args) == [
+        "- 8 nodes: 5 one-node runs 2.000 to 2.900, median 2.600, s (spread 45%); the command "
+        "was fed one_node_0.2_r2/neighbours/2"
     ]
     with pytest.raises(RuntimeError, match="no one-node run"):
         sv.median_reference(tmp_path, 0.4, 3)
