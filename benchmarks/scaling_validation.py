@@ -27,7 +27,10 @@ step time with the error per setting, and per case (node count x rate) the setti
 command recommends among those measured against the measured best. Beside each setting:
 a rank's CPU per step (results.json's `cpu_s_per_step_over_ranks`) against the one-node
 run's, the share of its node's quota it used, and whether the prediction lies below the
-job's CPU floor (that CPU over the quota: no step can be shorter). Writes
+job's CPU floor (that CPU over the quota: no step can be shorter). With --repeats, the
+same predictions against each pass's runs alone, and the machine's speed beside that pass's
+jobs (a fixed work's rounds per CPU second, read before each job and each one-node run)
+against its speed beside the fed run: a host that slows the machine shows there. Writes
 scaling_validation.csv/.json/.md into --out.
 
     .venv/bin/python benchmarks/scaling_validation.py --nodes 2,4 --full   # as root, ~30 min
@@ -127,6 +130,49 @@ def in_group(group: Path, command: list[str]) -> list[str]:
     return ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", *command]
 
 
+# Beside every lab job and every pass's one-node run: the machine's speed then (a virtual
+# machine's host may run it slower for tens of minutes; the same work took 31% more CPU an
+# hour into one grid: docs/nodes.md).
+SPEED_FILE = "machine_speed.json"
+
+
+def machine_speed() -> float:
+    """Rounds of a fixed work per CPU second on this process's one thread, read while the
+    lab is idle: matrix products and a copy larger than the caches, as a training step mixes
+    compute and memory traffic. CPU seconds, not wall time: no quota or neighbour moves it,
+    only how fast the machine runs the instructions."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(256, 256), torch.randn(256, 256)
+        source, target = torch.randn(8 << 20), torch.empty(8 << 20)
+        rounds, start = 0, time.process_time()
+        while time.process_time() - start < SPEED_READING_S:
+            for _ in range(8):
+                torch.mm(a, b)
+            target.copy_(source)
+            rounds += 1
+        return rounds / (time.process_time() - start)
+    finally:
+        torch.set_num_threads(threads)
+
+
+SPEED_READING_S = 1.0
+
+
+def record_speed(folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / SPEED_FILE).write_text(json.dumps({"rounds_per_cpu_s": machine_speed()}))
+
+
+def read_speed(folder: Path) -> float | None:
+    """The reading `record_speed` left in `folder` (None: measured before it was kept)."""
+    path = folder / SPEED_FILE
+    return float(json.loads(path.read_text())["rounds_per_cpu_s"]) if path.is_file() else None
+
+
 def wait_for_memory(needed_mb: int) -> None:
     while True:
         available = (
@@ -164,6 +210,7 @@ def one_node_run(
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / "results.json").is_file():
+        record_speed(folder)
         group = make_group(args.prefix, f"{args.prefix}-node0", fraction, args.cfs_period_us)
         with busy_neighbours(args, folder, fraction, nodes, args.one_node_steps):
             command_line = [
@@ -333,7 +380,7 @@ def lab_run(
 ) -> None:
     if (folder / "results.json").is_file():
         return
-    folder.mkdir(parents=True, exist_ok=True)
+    record_speed(folder)
     nodes = len(lab.nodes)
     procs = []
     with contextlib.ExitStack() as logs:
@@ -707,10 +754,54 @@ def write(args: argparse.Namespace, rows: list[dict], cases: list[dict]) -> None
         f"one-node run's, {sum(abs(r['error']) <= 0.15 for r in steady)} within 15%."
     )
     lines += cpu_floor_lines(rows)
+    lines += pass_lines(args, rows)
     lines += sorted({f"- {c['nodes']} nodes: {c['probe']}" for c in cases})
     lines += reference_lines(args)
     (out / "scaling_validation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def pass_folder(run: Path) -> Path:
+    """Node 0's folder of the pass a one-node run belongs to (a neighbour's is inside it)."""
+    return run.parent.parent if run.parent.name == "neighbours" else run
+
+
+def pass_lines(args: argparse.Namespace, rows: list[dict]) -> list[str]:
+    """The same predictions against each pass's runs alone, and the machine's speed during
+    the pass's jobs against its speed when the fed one-node run ran: a model fed one run
+    cannot be nearer the jobs than the machine stayed the same machine."""
+    lines = []
+    for nodes in args.node_counts:
+        fraction = fraction_for(nodes, args.total_cores)
+        runs = reference_steps(args.out, fraction, args.repeats)
+        # A neighbour's run shares its pass's reading, which node 0's folder keeps.
+        fed_speed = read_speed(pass_folder(median_of(runs))) if runs else None
+        for repeat in range(args.repeats):
+            errors, speeds = [], []
+            for r in (r for r in rows if r["nodes"] == nodes):
+                folder = job_folder(
+                    args.out, nodes, r["rate"], r["comm_hook"], r["bucket_cap_mb"], repeat
+                )
+                if not (folder / "results.json").is_file():
+                    continue
+                record = json.loads((folder / "results.json").read_text())
+                step = float(record["step_time_median_s"])
+                errors.append(r["predicted_step_s"] / step - 1)
+                if (speed := read_speed(folder)) is not None:
+                    speeds.append(speed)
+            if not errors or args.repeats == 1:
+                continue
+            line = (
+                f"- {nodes} nodes, pass {repeat + 1} alone: {sum(abs(e) <= 0.15 for e in errors)} "
+                f"of {len(errors)} within 15% (mean {statistics.mean(errors):+.1%})"
+            )
+            if speeds and fed_speed:
+                line += (
+                    f"; the machine at {statistics.median(speeds) / fed_speed - 1:+.0%} of its "
+                    "speed when the fed one-node run ran (median of the jobs' readings)"
+                )
+            lines.append(line + ".")
+    return lines
 
 
 def cpu_floor_lines(rows: list[dict]) -> list[str]:

@@ -481,3 +481,56 @@ def test_the_validation_feeds_the_command_the_median_one_node_run(tmp_path: Path
         sv.median_reference(tmp_path, 0.4, 3)
     assert sv.placement(SimpleNamespace(link_from="lab"), 3) == []
     assert sv.placement(SimpleNamespace(link_from="rate"), 3)[:2] == ["taskset", "-c"]
+
+
+def test_the_validation_reports_each_pass_and_the_machines_speed_then(tmp_path: Path) -> None:
+    """With --repeats the report sets the predictions against each pass's runs alone, and the
+    machine's speed read beside that pass's jobs against its speed beside the fed one-node
+    run: a drifting machine is told apart from the model. The reading itself is real work."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import scaling_validation as sv
+
+    assert sv.machine_speed() > 0
+    sv.record_speed(tmp_path / "probe")
+    assert sv.read_speed(tmp_path / "probe") > 0
+    assert sv.read_speed(tmp_path / "nothing") is None
+    # Two passes: the fed run is a neighbour of the first (its pass's reading is node 0's).
+    for name, step, speed in (("one_node_0.8", 1.0, 100.0), ("one_node_0.8_r2", 1.3, 80.0)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps({"step_time_median_s": step}))
+        (tmp_path / name / sv.SPEED_FILE).write_text(json.dumps({"rounds_per_cpu_s": speed}))
+    neighbour = tmp_path / "one_node_0.8" / "neighbours" / "1"
+    neighbour.mkdir(parents=True)
+    (neighbour / "results.json").write_text(json.dumps({"step_time_median_s": 1.1}))
+    assert sv.median_reference(tmp_path, 0.8, 2) == neighbour
+    assert sv.pass_folder(neighbour) == tmp_path / "one_node_0.8"
+    rows = [
+        {
+            "nodes": 2,
+            "rate": "1gbit",
+            "comm_hook": hook,
+            "bucket_cap_mb": 25,
+            "predicted_step_s": 2.0,
+        }
+        for hook in ("none", "fp16")
+    ]
+    # Pass 1 at the fed run's speed, within 15%; pass 2 on a machine 25% slower, 30% slower.
+    for (hook, repeat), (step, speed) in {
+        ("none", 0): (2.1, 100.0),
+        ("fp16", 0): (1.9, 98.0),
+        ("none", 1): (2.9, 75.0),
+        ("fp16", 1): (2.8, 75.0),
+    }.items():
+        folder = sv.job_folder(tmp_path, 2, "1gbit", hook, 25, repeat)
+        folder.mkdir(parents=True)
+        (folder / "results.json").write_text(json.dumps({"step_time_median_s": step}))
+        (folder / sv.SPEED_FILE).write_text(json.dumps({"rounds_per_cpu_s": speed}))
+    args = SimpleNamespace(out=tmp_path, node_counts=[2], total_cores=1.6, repeats=2)
+    assert sv.pass_lines(args, rows) == [
+        "- 2 nodes, pass 1 alone: 2 of 2 within 15% (mean +0.3%); the machine at -1% of its "
+        "speed when the fed one-node run ran (median of the jobs' readings).",
+        "- 2 nodes, pass 2 alone: 0 of 2 within 15% (mean -29.8%); the machine at -25% of its "
+        "speed when the fed one-node run ran (median of the jobs' readings).",
+    ]
+    # One pass: nothing to set apart.
+    assert sv.pass_lines(SimpleNamespace(**{**vars(args), "repeats": 1}), rows) == []
