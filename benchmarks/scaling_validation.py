@@ -775,6 +775,8 @@ def pass_lines(args: argparse.Namespace, rows: list[dict]) -> list[str]:
     """The same predictions against each pass's runs alone, and the machine's speed during
     the pass's jobs against its speed when the fed one-node run ran: a model fed one run
     cannot be nearer the jobs than the machine stayed the same machine."""
+    if args.repeats == 1:
+        return []  # one pass: the table is that pass
     lines = []
     for nodes in args.node_counts:
         fraction = fraction_for(nodes, args.total_cores)
@@ -794,7 +796,7 @@ def pass_lines(args: argparse.Namespace, rows: list[dict]) -> list[str]:
                 errors.append(r["predicted_step_s"] / step - 1)
                 if (speed := read_speed(folder)) is not None:
                     speeds.append(speed)
-            if not errors or args.repeats == 1:
+            if not errors:
                 continue
             line = (
                 f"- {nodes} nodes, pass {repeat + 1} alone: {sum(abs(e) <= 0.15 for e in errors)} "
@@ -849,13 +851,13 @@ def reference_lines(args: argparse.Namespace) -> list[str]:
         if cpu:
             used = f", {cpu:.3f} s of CPU a step ({cpu / (fed_step * fraction):.0%} of its quota)"
         listed = (
-            ", ".join(f"{s:.3f}" for s in steps)
+            ", ".join(f"{s:.3f}" for s in steps) + " s"
             if len(steps) <= 4
-            else f"{min(steps):.3f} to {max(steps):.3f}, median {statistics.median(steps):.3f},"
+            else f"{min(steps):.3f} to {max(steps):.3f} s, median {statistics.median(steps):.3f} s"
         )
         lines.append(
             f"- {nodes} nodes: {len(steps)} one-node run{'s' if len(steps) > 1 else ''} "
-            f"{listed} s (spread "
+            f"{listed} (spread "
             f"{max(steps) / min(steps) - 1:.0%}); the command was fed "
             f"{fed.relative_to(args.out)}{used}"
         )

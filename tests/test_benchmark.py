@@ -474,8 +474,8 @@ def test_the_validation_feeds_the_command_the_median_one_node_run(tmp_path: Path
     fed = sv.median_reference(tmp_path, 0.2, 3)
     assert fed == tmp_path / "one_node_0.2_r2" / "neighbours" / "2"
     assert sv.reference_lines(args) == [
-        "- 8 nodes: 5 one-node runs 2.000 to 2.900, median 2.600, s (spread 45%); the command "
-        "was fed one_node_0.2_r2/neighbours/2"
+        "- 8 nodes: 5 one-node runs 2.000 to 2.900 s, median 2.600 s (spread 45%); the "
+        "command was fed one_node_0.2_r2/neighbours/2"
     ]
     with pytest.raises(RuntimeError, match="no one-node run"):
         sv.median_reference(tmp_path, 0.4, 3)

@@ -40,8 +40,9 @@ computing; `cores_while_communicating`: computing while the large all-reduces ru
 CPU time the collectives cost a rank (`time.process_time()`: every thread of the
 process, the kernel's work for its sockets included): on a node of a fraction of a core
 that CPU is part of the step (the scaling model's CPU lane). On a node with cores to
-spare both stay as they were; on a node with a fraction of a core gloo's threads and the compute take turns on it, and the scaling model
-(`ddp_template.tools.scaling`) runs its overlapped schedule at those speeds.
+spare both stay as they were; on a node with a fraction of a core gloo's threads and the
+compute take turns on it, and the scaling model (`ddp_template.tools.scaling`) runs its
+overlapped schedule at those speeds.
 """
 
 from __future__ import annotations
