@@ -22,6 +22,11 @@ too), on node 0's quota: `python -m ddp_template.tools.scaling <one-node run> --
 places its nodes: pinned to a core (`--link-from rate`), or free on every core within
 their quota (`--link-from lab`).
 
+With `--feed each`, every pass and rate is a block of its own, as a user's day is: the
+one-node runs, that rate's jobs right after them, then the command fed the block's median
+one-node run; each prediction is set against its own block's job (a table row per pass),
+so a machine whose speed drifts over the grid moves a prediction and its job together.
+
 No figure from the N-node jobs goes into a prediction. Prints predicted against measured
 step time with the error per setting, and per case (node count x rate) the setting the
 command recommends among those measured against the measured best. Beside each setting:
@@ -198,7 +203,12 @@ def wait_for_memory(needed_mb: int) -> None:
 
 
 def one_node_run(
-    args: argparse.Namespace, fraction: float, nodes: int, repeat: int = 0, command: bool = True
+    args: argparse.Namespace,
+    fraction: float,
+    nodes: int,
+    repeat: int = 0,
+    command: bool = True,
+    folder: Path | None = None,
 ) -> Path:
     """Node 0's one-node run, with the other N - 1 nodes' cores and quotas busy with the same
     training (as in the lab, where the nodes share the machine's caches and memory; on a
@@ -206,11 +216,12 @@ def one_node_run(
     each node of the job). The neighbours' runs are one-node runs too, of the same steps,
     each under its own quota: N readings of the pass (`reference_steps`). `repeat`: the run
     of that pass (`--repeats`); `command`: with --link-from rate, the command users run
-    right after it, beside neighbours that train on."""
-    folder = reference_folder(args.out, fraction, repeat)
+    right after it, beside neighbours that train on. `folder`: where (default: the pass's
+    `reference_folder`)."""
+    folder = folder or reference_folder(args.out, fraction, repeat)
     # With --link-from lab the command runs later, against the lab it probes.
     rates = args.rate_list if args.link_from == "rate" and command else []
-    predicted = [args.out / f"predicted_{nodes}_{rate}.txt" for rate in rates]
+    predicted = [predicted_file(args.out, nodes, rate) for rate in rates]
     if (folder / "results.json").is_file() and all(p.is_file() for p in predicted):
         return folder
     folder.mkdir(parents=True, exist_ok=True)
@@ -290,20 +301,36 @@ def reference_folder(out: Path, fraction: float, repeat: int) -> Path:
     return out / (f"one_node_{fraction}" + (f"_r{repeat + 1}" if repeat else ""))
 
 
-def reference_steps(out: Path, fraction: float, repeats: int) -> list[tuple[float, Path]]:
-    """(median step s, folder) of the one-node runs there are in at most `repeats` passes:
-    node 0's, then its neighbours' (runs of the same steps beside it, each in its own quota;
-    folders measured before they wrote their results hold node 0's alone)."""
+def block_folder(out: Path, fraction: float, rate: str, repeat: int) -> Path:
+    """With --feed each: the one-node run of pass `repeat` at `rate`, run just before that
+    rate's jobs of the pass."""
+    return out / f"one_node_{fraction}_{rate}_r{repeat + 1}"
+
+
+def predicted_file(out: Path, nodes: int, rate: str, repeat: int | None = None) -> Path:
+    """The command's output: one per node count and rate, or with --feed each one per pass."""
+    return out / (
+        f"predicted_{nodes}_{rate}" + ("" if repeat is None else f"_r{repeat + 1}") + ".txt"
+    )
+
+
+def runs_in(folder: Path) -> list[tuple[float, Path]]:
+    """(median step s, folder) of the one-node runs of one pass in `folder`: node 0's, then
+    its neighbours' (runs of the same steps beside it, each in its own quota; folders
+    measured before they wrote their results hold node 0's alone)."""
     found = []
-    for repeat in range(repeats):
-        folder = reference_folder(out, fraction, repeat)
-        neighbours = folder / "neighbours"
-        others = sorted(neighbours.iterdir(), key=lambda p: p.name) if neighbours.is_dir() else []
-        for results in (folder / "results.json", *(n / "results.json" for n in others)):
-            if results.is_file():
-                step = float(json.loads(results.read_text())["step_time_median_s"])
-                found.append((step, results.parent))
+    neighbours = folder / "neighbours"
+    others = sorted(neighbours.iterdir(), key=lambda p: p.name) if neighbours.is_dir() else []
+    for results in (folder / "results.json", *(n / "results.json" for n in others)):
+        if results.is_file():
+            step = float(json.loads(results.read_text())["step_time_median_s"])
+            found.append((step, results.parent))
     return found
+
+
+def reference_steps(out: Path, fraction: float, repeats: int) -> list[tuple[float, Path]]:
+    """The one-node runs (`runs_in`) there are in at most `repeats` passes."""
+    return [run for r in range(repeats) for run in runs_in(reference_folder(out, fraction, r))]
 
 
 def median_reference(out: Path, fraction: float, repeats: int) -> Path:
@@ -345,11 +372,12 @@ def predict_with_the_command(
     rate: str,
     group: Path,
     link: list[str] | None = None,
+    repeat: int | None = None,
 ) -> Path:
     """`--link <rate>`, or with --link-from lab `--link lab` (the running lab at that rate,
     probed by an all-reduce over all its nodes, each under its quota), or `link` as given
-    (e.g. `--link probe.json`)."""
-    out = args.out / f"predicted_{nodes}_{rate}.txt"
+    (e.g. `--link probe.json`). `repeat`: with --feed each, the pass it predicts."""
+    out = predicted_file(args.out, nodes, rate, repeat)
     if out.is_file():
         return out
     if link is None:
@@ -457,6 +485,10 @@ def measure(args: argparse.Namespace) -> None:
         wait_for_memory(2000 * nodes + 2000)
         lab = lab_for(args, nodes)
         try:
+            if args.feed == "each":
+                measure_each_pass(args, lab, nodes, port)
+                port += args.repeats * len(args.rate_list) * len(grid(args.full))
+                continue
             # Each repeat is one pass: a one-node run (beside the idle lab), then every
             # setting at every rate. A slow spell of the machine falls on one run of several
             # settings and of the reference, not on every run of one; the command is fed the
@@ -467,33 +499,70 @@ def measure(args: argparse.Namespace) -> None:
                     lab.set_rate(parse_rate(rate))
                     for hook, bucket in grid(args.full):
                         port += 1
-                        folder = job_folder(args.out, nodes, rate, hook, bucket, repeat)
-                        overrides = [
-                            *train_args(args, args.warmup, args.steps),
-                            f"strategy.comm_hook={hook}",
-                            f"strategy.bucket_cap_mb={bucket}",
-                        ]
-                        started = time.monotonic()
-                        lab_run(args, lab, folder, overrides, port)
-                        print(
-                            f"{nodes} nodes x {fraction} core, {rate}, {hook} {bucket}, run "
-                            f"{repeat + 1}: {time.monotonic() - started:.0f} s",
-                            flush=True,
-                        )
+                        run_job(args, lab, nodes, rate, hook, bucket, repeat, port)
             reference = median_reference(args.out, fraction, args.repeats)
-            group = make_group(args.prefix, f"{args.prefix}-node0", fraction, args.cfs_period_us)
             for rate in args.rate_list:
                 lab.set_rate(parse_rate(rate))
-                if args.link_from == "lab":
-                    # The lab's nodes idle: the probe measures the link, not the jobs.
-                    predict_with_the_command(args, reference, nodes, rate, group)
-                else:
-                    # Fresh folders for the neighbours: the one-node runs' are in use.
-                    neighbours = args.out / f"command_{fraction}"
-                    with busy_neighbours(args, neighbours, fraction, nodes):
-                        predict_with_the_command(args, reference, nodes, rate, group)
+                command_after_jobs(args, reference, nodes, rate)
         finally:
             lab.down()
+
+
+def measure_each_pass(args: argparse.Namespace, lab: Lab, nodes: int, port: int) -> None:
+    """--feed each: every pass and rate is one block, as a user's day is: the one-node runs,
+    that rate's jobs right after them, then the command fed the block's median one-node run.
+    Each prediction is set against the jobs of its own block: a machine that drifts over the
+    grid moves the fed run and the jobs together, not the one without the other."""
+    fraction = args.current
+    for repeat in range(args.repeats):
+        for rate in args.rate_list:
+            lab.set_rate(parse_rate(rate))
+            block = block_folder(args.out, fraction, rate, repeat)
+            one_node_run(args, fraction, nodes, repeat, command=False, folder=block)
+            for hook, bucket in grid(args.full):
+                port += 1
+                run_job(args, lab, nodes, rate, hook, bucket, repeat, port)
+            command_after_jobs(args, median_of(runs_in(block)), nodes, rate, repeat)
+
+
+def run_job(
+    args: argparse.Namespace,
+    lab: Lab,
+    nodes: int,
+    rate: str,
+    hook: str,
+    bucket: int,
+    repeat: int,
+    port: int,
+) -> None:
+    folder = job_folder(args.out, nodes, rate, hook, bucket, repeat)
+    overrides = [
+        *train_args(args, args.warmup, args.steps),
+        f"strategy.comm_hook={hook}",
+        f"strategy.bucket_cap_mb={bucket}",
+    ]
+    started = time.monotonic()
+    lab_run(args, lab, folder, overrides, port)
+    print(
+        f"{nodes} nodes x {args.current} core, {rate}, {hook} {bucket}, run "
+        f"{repeat + 1}: {time.monotonic() - started:.0f} s",
+        flush=True,
+    )
+
+
+def command_after_jobs(
+    args: argparse.Namespace, reference: Path, nodes: int, rate: str, repeat: int | None = None
+) -> None:
+    """The command users run, fed `reference`, the lab at `rate` and its jobs done."""
+    fraction = args.current
+    group = make_group(args.prefix, f"{args.prefix}-node0", fraction, args.cfs_period_us)
+    if args.link_from == "lab":
+        # The lab's nodes idle: the probe measures the link, not the jobs.
+        predict_with_the_command(args, reference, nodes, rate, group, repeat=repeat)
+    else:
+        # Fresh folders for the neighbours: the one-node runs' are in use.
+        with busy_neighbours(args, args.out / f"command_{fraction}", fraction, nodes):
+            predict_with_the_command(args, reference, nodes, rate, group, repeat=repeat)
 
 
 # --- the report --------------------------------------------------------------------------
@@ -570,12 +639,11 @@ def rank_cpu(records: list[dict]) -> float | None:
     return statistics.median(cpus) if cpus else None
 
 
-def one_node_cpu(args: argparse.Namespace, nodes: int) -> float | None:
+def one_node_cpu(reference: Path | None) -> float | None:
     """The CPU per step of the one-node run the command was fed (None: not recorded)."""
-    runs = reference_steps(args.out, fraction_for(nodes, args.total_cores), args.repeats)
-    if not runs:
+    if reference is None:
         return None
-    return rank_cpu([json.loads((median_of(runs) / "results.json").read_text())])
+    return rank_cpu([json.loads((reference / "results.json").read_text())])
 
 
 def probe_line(path: Path) -> str:
@@ -588,90 +656,144 @@ def measured_period(out: Path) -> int:
     return int(recorded.read_text()) if recorded.is_file() else DEFAULT_PERIOD_US
 
 
+def blocks(args: argparse.Namespace, nodes: int, rate: str) -> list[dict]:
+    """What each prediction is set against: by default one block, the command's output
+    against every pass's jobs (each setting at its median); with --feed each one block a
+    pass, its own output against its own jobs."""
+    fraction = fraction_for(nodes, args.total_cores)
+    if args.feed == "each":
+        found = []
+        for repeat in range(args.repeats):
+            runs = runs_in(block_folder(args.out, fraction, rate, repeat))
+            found.append(
+                {
+                    "pass": repeat + 1,
+                    "predicted": predicted_file(args.out, nodes, rate, repeat),
+                    "repeats": [repeat],
+                    "reference": median_of(runs) if runs else None,
+                }
+            )
+        return found
+    runs = reference_steps(args.out, fraction, args.repeats)
+    return [
+        {
+            "pass": None,
+            "predicted": predicted_file(args.out, nodes, rate),
+            "repeats": list(range(args.repeats)),
+            "reference": median_of(runs) if runs else None,
+        }
+    ]
+
+
 def rows_of(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     rows, cases = [], []
     for nodes in args.node_counts:
         for rate in args.rate_list:
-            predicted = predictions(args.out / f"predicted_{nodes}_{rate}.txt")
-            parts = predicted_parts(args.out / f"predicted_{nodes}_{rate}.txt")
-            measured = {}
-            reference_forward = one_node_forward(args.out / f"predicted_{nodes}_{rate}.txt")
-            reference_cpu = one_node_cpu(args, nodes)
-            for hook, bucket in grid(args.full):
-                records = []
-                for repeat in range(args.repeats):
-                    folder = job_folder(args.out, nodes, rate, hook, bucket, repeat)
-                    if (folder / "results.json").is_file():
-                        records.append(json.loads((folder / "results.json").read_text()))
-                        assert records[-1]["world_size"] == nodes, folder
-                if not records:
-                    continue
-                # The median of the runs, of the step and of each of its parts.
-                steps = [float(r["step_time_median_s"]) for r in records]
-                step = measured[(hook, bucket)] = statistics.median(steps)
-                lab_compute, lab_exposed = _median_parts(records)
-                forward = lab_forward(records)
-                cpu = rank_cpu(records)
-                fraction = fraction_for(nodes, args.total_cores)
-                rows.append(
-                    {
-                        "nodes": nodes,
-                        "core_fraction": fraction,
-                        "cfs_period_us": measured_period(args.out),
-                        "rate": rate,
-                        "comm_hook": hook,
-                        "bucket_cap_mb": bucket,
-                        "runs": len(records),
-                        # The slowest run over the fastest, minus one: the lab's own spread.
-                        "runs_spread": round(max(steps) / min(steps) - 1, 4),
-                        "measured_step_s": round(step, 4),
-                        "predicted_step_s": round(predicted[(hook, bucket)], 4),
-                        "error": round(predicted[(hook, bucket)] / step - 1, 4),
-                        # Where the error lies: the step's parts, measured and predicted.
-                        "measured_forward_backward_s": _rounded(lab_compute),
-                        "measured_exposed_comm_s": _rounded(lab_exposed),
-                        "predicted_compute_s": parts[(hook, bucket)][0],
-                        "predicted_exposed_comm_s": parts[(hook, bucket)][1],
-                        # How fast the lab computed during the job against the one-node run.
-                        "forward_vs_one_node": (
-                            round(forward / reference_forward - 1, 4)
-                            if forward and reference_forward
-                            else None
-                        ),
-                        # The CPU a rank spent per step (all its threads, the kernel's work
-                        # for its sockets included), against the one-node run's, and the
-                        # share of its node's quota that used: near 1 the step is bound by
-                        # the node's cores, compute and communication taking turns.
-                        "rank_cpu_per_step_s": _rounded(cpu),
-                        "rank_cpu_vs_one_node": (
-                            round(cpu / reference_cpu - 1, 4) if cpu and reference_cpu else None
-                        ),
-                        "quota_used": round(cpu / (step * fraction), 4) if cpu else None,
-                    }
-                )
-            if not measured:
-                continue
-            # The command's choice; where that setting was not measured (the reduced grid),
-            # its choice among the settings that were.
-            chosen = command_choice(args.out / f"predicted_{nodes}_{rate}.txt")
-            among_measured = chosen in measured
-            if not among_measured:
-                chosen = min(measured, key=lambda s: predicted[s])
-            best = min(measured, key=lambda s: measured[s])
-            cases.append(
-                {
-                    "nodes": nodes,
-                    "rate": rate,
-                    "recommended": f"{chosen[0]} {chosen[1]}"
-                    + ("" if among_measured else " (among those measured)"),
-                    "recommended_measured_s": round(measured[chosen], 4),
-                    "measured_best": f"{best[0]} {best[1]}",
-                    "measured_best_s": round(measured[best], 4),
-                    "slower_than_best": round(measured[chosen] / measured[best] - 1, 4),
-                    "probe": probe_line(args.out / f"predicted_{nodes}_{rate}.txt"),
-                }
-            )
+            for block in blocks(args, nodes, rate):
+                if block["predicted"].is_file():
+                    block_rows, case = block_of(args, nodes, rate, block)
+                    rows += block_rows
+                    cases += [case] if case else []
     return rows, cases
+
+
+def block_of(
+    args: argparse.Namespace, nodes: int, rate: str, block: dict
+) -> tuple[list[dict], dict | None]:
+    """The rows of one block's settings and its case (the command's choice against the
+    measured best)."""
+    rows = []
+    path = block["predicted"]
+    predicted, parts = predictions(path), predicted_parts(path)
+    measured = {}
+    reference_forward = one_node_forward(path)
+    reference_cpu = one_node_cpu(block["reference"])
+    fed_speed = read_speed(pass_folder(block["reference"])) if block["reference"] else None
+    fraction = fraction_for(nodes, args.total_cores)
+    for hook, bucket in grid(args.full):
+        records, speeds = [], []
+        for repeat in block["repeats"]:
+            folder = job_folder(args.out, nodes, rate, hook, bucket, repeat)
+            if (folder / "results.json").is_file():
+                records.append(json.loads((folder / "results.json").read_text()))
+                assert records[-1]["world_size"] == nodes, folder
+                if (speed := read_speed(folder)) is not None:
+                    speeds.append(speed)
+        if not records:
+            continue
+        # The median of the runs, of the step and of each of its parts.
+        steps = [float(r["step_time_median_s"]) for r in records]
+        step = measured[(hook, bucket)] = statistics.median(steps)
+        lab_compute, lab_exposed = _median_parts(records)
+        forward = lab_forward(records)
+        cpu = rank_cpu(records)
+        rows.append(
+            {
+                "nodes": nodes,
+                "core_fraction": fraction,
+                "cfs_period_us": measured_period(args.out),
+                "rate": rate,
+                "comm_hook": hook,
+                "bucket_cap_mb": bucket,
+                # --feed each: the pass whose one-node run, command and job these are.
+                "pass": block["pass"],
+                "runs": len(records),
+                # The slowest run over the fastest, minus one: the lab's own spread.
+                "runs_spread": round(max(steps) / min(steps) - 1, 4),
+                "measured_step_s": round(step, 4),
+                "predicted_step_s": round(predicted[(hook, bucket)], 4),
+                "error": round(predicted[(hook, bucket)] / step - 1, 4),
+                # Where the error lies: the step's parts, measured and predicted.
+                "measured_forward_backward_s": _rounded(lab_compute),
+                "measured_exposed_comm_s": _rounded(lab_exposed),
+                "predicted_compute_s": parts[(hook, bucket)][0],
+                "predicted_exposed_comm_s": parts[(hook, bucket)][1],
+                # How fast the lab computed during the job against the one-node run.
+                "forward_vs_one_node": (
+                    round(forward / reference_forward - 1, 4)
+                    if forward and reference_forward
+                    else None
+                ),
+                # The CPU a rank spent per step (all its threads, the kernel's work for its
+                # sockets included), against the one-node run's, and the share of its node's
+                # quota that used: near 1 the step is bound by the node's cores, compute and
+                # communication taking turns.
+                "rank_cpu_per_step_s": _rounded(cpu),
+                "rank_cpu_vs_one_node": (
+                    round(cpu / reference_cpu - 1, 4) if cpu and reference_cpu else None
+                ),
+                "quota_used": round(cpu / (step * fraction), 4) if cpu else None,
+                # The machine's speed before the job(s) against its speed before the fed
+                # one-node run's pass (None: not read).
+                "machine_vs_fed": (
+                    round(statistics.median(speeds) / fed_speed - 1, 4)
+                    if speeds and fed_speed
+                    else None
+                ),
+            }
+        )
+    if not measured:
+        return rows, None
+    # The command's choice; where that setting was not measured (the reduced grid), its
+    # choice among the settings that were.
+    chosen = command_choice(path)
+    among_measured = chosen in measured
+    if not among_measured:
+        chosen = min(measured, key=lambda s: predicted[s])
+    best = min(measured, key=lambda s: measured[s])
+    case = {
+        "nodes": nodes,
+        "rate": rate,
+        "pass": block["pass"],
+        "recommended": f"{chosen[0]} {chosen[1]}"
+        + ("" if among_measured else " (among those measured)"),
+        "recommended_measured_s": round(measured[chosen], 4),
+        "measured_best": f"{best[0]} {best[1]}",
+        "measured_best_s": round(measured[best], 4),
+        "slower_than_best": round(measured[chosen] / measured[best] - 1, 4),
+        "probe": probe_line(path),
+    }
+    return rows, case
 
 
 def _median_parts(records: list[dict]) -> tuple[float | None, float | None]:
@@ -702,6 +824,17 @@ def _figure(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
 
+def _runs(row: dict) -> str:
+    """A row's runs and their spread, or with --feed each the pass it belongs to."""
+    if row.get("pass") is not None:
+        return f"pass {row['pass']}"
+    return f"{row['runs']} ({row['runs_spread']:.0%})"
+
+
+def _of_pass(case: dict) -> str:
+    return "" if case.get("pass") is None else f" (pass {case['pass']})"
+
+
 def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
 
@@ -724,7 +857,7 @@ def write(args: argparse.Namespace, rows: list[dict], cases: list[dict]) -> None
     ]
     lines += [
         f"| {r['nodes']} x {r['core_fraction']} | {r['rate']} | {r['comm_hook']} | "
-        f"{r['bucket_cap_mb']} | {r['runs']} ({r['runs_spread']:.0%}) | "
+        f"{r['bucket_cap_mb']} | {_runs(r)} | "
         f"{r['measured_step_s']:.3f} | {r['predicted_step_s']:.3f} | "
         f"{r['error']:+.1%} | {_figure(r.get('measured_forward_backward_s'))} | "
         f"{_figure(r.get('predicted_compute_s'))} | {_figure(r.get('measured_exposed_comm_s'))} | "
@@ -739,7 +872,7 @@ def write(args: argparse.Namespace, rows: list[dict], cases: list[dict]) -> None
         "|---|---|---|---|---|",
     ]
     lines += [
-        f"| {c['nodes']} | {c['rate']} | {c['recommended']} ({c['recommended_measured_s']:.3f}) | "
+        f"| {c['nodes']}{_of_pass(c)} | {c['rate']} | {c['recommended']} ({c['recommended_measured_s']:.3f}) | "
         f"{c['measured_best']} ({c['measured_best_s']:.3f}) | {c['slower_than_best']:+.1%} |"
         for c in cases
     ]
@@ -760,7 +893,7 @@ def write(args: argparse.Namespace, rows: list[dict], cases: list[dict]) -> None
     )
     lines += cpu_floor_lines(rows)
     lines += pass_lines(args, rows)
-    lines += sorted({f"- {c['nodes']} nodes: {c['probe']}" for c in cases})
+    lines += sorted({f"- {c['nodes']} nodes{_of_pass(c)}: {c['probe']}" for c in cases})
     lines += reference_lines(args)
     (out / "scaling_validation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -777,6 +910,8 @@ def pass_lines(args: argparse.Namespace, rows: list[dict]) -> list[str]:
     cannot be nearer the jobs than the machine stayed the same machine."""
     if args.repeats == 1:
         return []  # one pass: the table is that pass
+    if args.feed == "each":
+        return each_pass_lines(args, rows)
     lines = []
     for nodes in args.node_counts:
         fraction = fraction_for(nodes, args.total_cores)
@@ -811,6 +946,30 @@ def pass_lines(args: argparse.Namespace, rows: list[dict]) -> list[str]:
     return lines
 
 
+def each_pass_lines(args: argparse.Namespace, rows: list[dict]) -> list[str]:
+    """--feed each: each pass's predictions (every one against its own block's one-node run)
+    and the machine's speed beside the jobs against its speed beside that run."""
+    lines = []
+    for nodes in args.node_counts:
+        for number in range(1, args.repeats + 1):
+            of_pass = [r for r in rows if r["nodes"] == nodes and r["pass"] == number]
+            if not of_pass:
+                continue
+            errors = [r["error"] for r in of_pass]
+            line = (
+                f"- {nodes} nodes, pass {number}: {sum(abs(e) <= 0.15 for e in errors)} of "
+                f"{len(errors)} within 15% (mean {statistics.mean(errors):+.1%})"
+            )
+            drift = [r["machine_vs_fed"] for r in of_pass if r["machine_vs_fed"] is not None]
+            if drift:
+                line += (
+                    f"; the machine at {min(drift):+.0%} to {max(drift):+.0%} of its speed "
+                    "beside the fed one-node run"
+                )
+            lines.append(line + ".")
+    return lines
+
+
 def cpu_floor_lines(rows: list[dict]) -> list[str]:
     """The predictions below their job's CPU floor: a rank's CPU per step over its node's
     quota, the shortest step those seconds of CPU allow. A prediction under it cannot be met
@@ -836,32 +995,43 @@ def cpu_floor_lines(rows: list[dict]) -> list[str]:
 
 
 def reference_lines(args: argparse.Namespace) -> list[str]:
-    """Each node count's one-node runs (median step s) and the one the command was fed."""
+    """Each block's one-node runs (median step s) and the one the command was fed."""
     lines = []
     for nodes in args.node_counts:
         fraction = fraction_for(nodes, args.total_cores)
-        runs = reference_steps(args.out, fraction, args.repeats)
-        if not runs:
-            continue
-        steps = [step for step, _ in runs]
-        fed = median_of(runs)
-        fed_step = next(step for step, folder in runs if folder == fed)
-        cpu = rank_cpu([json.loads((fed / "results.json").read_text())])
-        used = ""
-        if cpu:
-            used = f", {cpu:.3f} s of CPU a step ({cpu / (fed_step * fraction):.0%} of its quota)"
-        listed = (
-            ", ".join(f"{s:.3f}" for s in steps) + " s"
-            if len(steps) <= 4
-            else f"{min(steps):.3f} to {max(steps):.3f} s, median {statistics.median(steps):.3f} s"
-        )
-        lines.append(
-            f"- {nodes} nodes: {len(steps)} one-node run{'s' if len(steps) > 1 else ''} "
-            f"{listed} (spread "
-            f"{max(steps) / min(steps) - 1:.0%}); the command was fed "
-            f"{fed.relative_to(args.out)}{used}"
-        )
+        if args.feed == "each":
+            found = [
+                (f"{nodes} nodes, {rate}, pass {r + 1}", block_folder(args.out, fraction, rate, r))
+                for r in range(args.repeats)
+                for rate in args.rate_list
+            ]
+            labelled = [(label, runs_in(folder)) for label, folder in found]
+        else:
+            labelled = [(f"{nodes} nodes", reference_steps(args.out, fraction, args.repeats))]
+        lines += [reference_line(args, label, runs, fraction) for label, runs in labelled if runs]
     return lines
+
+
+def reference_line(
+    args: argparse.Namespace, label: str, runs: list[tuple[float, Path]], fraction: float
+) -> str:
+    steps = [step for step, _ in runs]
+    fed = median_of(runs)
+    fed_step = next(step for step, folder in runs if folder == fed)
+    cpu = one_node_cpu(fed)
+    used = ""
+    if cpu:
+        used = f", {cpu:.3f} s of CPU a step ({cpu / (fed_step * fraction):.0%} of its quota)"
+    listed = (
+        ", ".join(f"{s:.3f}" for s in steps) + " s"
+        if len(steps) <= 4
+        else f"{min(steps):.3f} to {max(steps):.3f} s, median {statistics.median(steps):.3f} s"
+    )
+    return (
+        f"- {label}: {len(steps)} one-node run{'s' if len(steps) > 1 else ''} {listed} "
+        f"(spread {max(steps) / min(steps) - 1:.0%}); the command was fed "
+        f"{fed.relative_to(args.out)}{used}"
+    )
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, nodes: str, name: str, prefix: str) -> None:
@@ -897,6 +1067,15 @@ def main() -> int:
         default=DEFAULT_PERIOD_US,
         help="the quota's period (1000-1000000): a throttled node waits up to "
         "(1 - fraction) x period before it runs again, the one-node run alike",
+    )
+    parser.add_argument(
+        "--feed",
+        choices=["median", "each"],
+        default="median",
+        help="what the command is fed: the median of every pass's one-node runs, its "
+        "predictions set against each setting's median run (median); or each pass and rate "
+        "a block of its own (one-node runs, that rate's jobs, the command fed the block's "
+        "median one-node run), every prediction against its own block's job (each)",
     )
     parser.add_argument(
         "--link-from",

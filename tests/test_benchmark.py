@@ -460,7 +460,7 @@ def test_the_validation_feeds_the_command_the_median_one_node_run(tmp_path: Path
     # Two runs: the lower middle one; one run: itself.
     assert sv.median_reference(tmp_path, 0.2, 2).name == "one_node_0.2_r2"
     assert sv.median_reference(tmp_path, 0.2, 1).name == "one_node_0.2"
-    args = SimpleNamespace(out=tmp_path, node_counts=[8], total_cores=1.6, repeats=3)
+    args = SimpleNamespace(out=tmp_path, node_counts=[8], total_cores=1.6, repeats=3, feed="median")
     assert sv.reference_lines(args) == [
         "- 8 nodes: 3 one-node runs 2.500, 2.000, 2.900 s (spread 45%); the command was fed "
         "one_node_0.2"
@@ -525,7 +525,7 @@ def test_the_validation_reports_each_pass_and_the_machines_speed_then(tmp_path: 
         folder.mkdir(parents=True)
         (folder / "results.json").write_text(json.dumps({"step_time_median_s": step}))
         (folder / sv.SPEED_FILE).write_text(json.dumps({"rounds_per_cpu_s": speed}))
-    args = SimpleNamespace(out=tmp_path, node_counts=[2], total_cores=1.6, repeats=2)
+    args = SimpleNamespace(out=tmp_path, node_counts=[2], total_cores=1.6, repeats=2, feed="median")
     assert sv.pass_lines(args, rows) == [
         "- 2 nodes, pass 1 alone: 2 of 2 within 15% (mean +0.3%); the machine at -1% of its "
         "speed when the fed one-node run ran (median of the jobs' readings).",
@@ -534,3 +534,87 @@ def test_the_validation_reports_each_pass_and_the_machines_speed_then(tmp_path: 
     ]
     # One pass: nothing to set apart.
     assert sv.pass_lines(SimpleNamespace(**{**vars(args), "repeats": 1}), rows) == []
+
+
+def test_the_validation_feeds_each_pass_its_own_one_node_run(tmp_path: Path) -> None:
+    """`--feed each`: every pass and rate is a block (its one-node runs, that rate's jobs,
+    the command fed the block's median run); each prediction is set against its own block's
+    job, never another pass's, and the report says how far the machine's speed beside each
+    job was from its speed beside the fed run."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import scaling_validation as sv
+
+    out = tmp_path / "out"
+    # Pass 2's one-node run is 30% slower (the machine slowed): its predictions are too.
+    for repeat, (step, speed, predicted) in enumerate(
+        [(1.0, 100.0, {"none": 2.0, "powersgd": 1.0}), (1.3, 80.0, {"none": 2.6, "powersgd": 1.3})]
+    ):
+        block = sv.block_folder(out, 0.8, "200mbit", repeat)
+        block.mkdir(parents=True)
+        (block / "results.json").write_text(json.dumps({"step_time_median_s": step}))
+        (block / sv.SPEED_FILE).write_text(json.dumps({"rounds_per_cpu_s": speed}))
+        lines = [
+            f"nodes=2 hook={hook} bucket_cap_mb={bucket} compute 0.500 s exposed comm 0.100 s "
+            f"data wait 0.001 s predicted step time: {predicted[hook]:.3f} s"
+            for hook, bucket in (("none", 1), ("powersgd", 25))
+        ]
+        lines += [
+            f"measured: step {step:.3f} s (forward 0.200, backward 0.300, rest 0.010, data wait "
+            "0.010), 42.6 MiB of gradients, 1 device(s) per node; link: float32 200mbit",
+            f"hook compute per step (probe): none 0 ms, powersgd {60 * (repeat + 1)} ms",
+            "recommended at nodes=2: strategy.comm_hook=powersgd strategy.bucket_cap_mb=25 (...)",
+        ]
+        sv.predicted_file(out, 2, "200mbit", repeat).write_text("\n".join(lines) + "\n")
+    for (hook, bucket, repeat), (step, speed) in {
+        ("none", 1, 0): (2.1, 98.0),
+        ("powersgd", 25, 0): (1.05, 100.0),
+        ("none", 1, 1): (2.5, 80.0),
+        ("powersgd", 25, 1): (2.8, 72.0),
+    }.items():
+        folder = sv.job_folder(out, 2, "200mbit", hook, bucket, repeat)
+        folder.mkdir(parents=True)
+        record = {"world_size": 2, "step_time_median_s": step}
+        (folder / "results.json").write_text(json.dumps(record))
+        (folder / sv.SPEED_FILE).write_text(json.dumps({"rounds_per_cpu_s": speed}))
+    proc = run_script(
+        "scaling_validation.py",
+        *("--nodes", "2", "--rates", "200mbit", "--repeats", "2", "--feed", "each"),
+        *("--out", str(out), "--report-only"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    # Each pass against its own prediction: 2.0 against 2.1, 2.6 against 2.5 (not 2.1).
+    assert "| 2 x 0.8 | 200mbit | none | 1 | pass 1 | 2.100 | 2.000 | -4.8% |" in proc.stdout
+    assert "| 2 x 0.8 | 200mbit | none | 1 | pass 2 | 2.500 | 2.600 | +4.0% |" in proc.stdout
+    assert "| 2 x 0.8 | 200mbit | powersgd | 25 | pass 2 | 2.800 | 1.300 | -53.6% |" in (
+        proc.stdout
+    )
+    # Each pass's recommendation against that pass's best.
+    assert "| 2 (pass 1) | 200mbit | powersgd 25 (1.050) | powersgd 25 (1.050) | +0.0% |" in (
+        proc.stdout
+    )
+    assert "| 2 (pass 2) | 200mbit | powersgd 25 (2.800) | none 1 (2.500) | +12.0% |" in (
+        proc.stdout
+    )
+    assert "3 of 4 predictions within 15%" in proc.stdout
+    assert (
+        "- 2 nodes, pass 1: 2 of 2 within 15% (mean -4.8%); the machine at -2% to +0% of its "
+        "speed beside the fed one-node run."
+    ) in proc.stdout
+    assert (
+        "- 2 nodes, pass 2: 1 of 2 within 15% (mean -24.8%); the machine at -10% to +0% of "
+        "its speed beside the fed one-node run."
+    ) in proc.stdout
+    assert "- 2 nodes (pass 2): hook compute per step (probe): none 0 ms, powersgd 120 ms" in (
+        proc.stdout
+    )
+    assert (
+        "- 2 nodes, 200mbit, pass 2: 1 one-node run 1.300 s (spread 0%); the command was fed "
+        "one_node_0.8_200mbit_r2"
+    ) in proc.stdout
+    rows = list(csv.DictReader((out / "scaling_validation.csv").open()))
+    assert [(r["pass"], r["machine_vs_fed"]) for r in rows] == [
+        ("1", "-0.02"),
+        ("1", "0.0"),
+        ("2", "0.0"),
+        ("2", "-0.1"),
+    ]
