@@ -25,7 +25,9 @@ their quota (`--link-from lab`).
 With `--feed each`, every pass and rate is a block of its own, as a user's day is: the
 one-node runs, that rate's jobs right after them, then the command fed the block's median
 one-node run; each prediction is set against its own block's job (a table row per pass),
-so a machine whose speed drifts over the grid moves a prediction and its job together.
+so a machine whose speed drifts over the grid moves a prediction and its job together; the
+report then gives each setting's median error over its passes, and each pass's
+recommendation against the settings' median steps.
 
 No figure from the N-node jobs goes into a prediction. Prints predicted against measured
 step time with the error per setting, and per case (node count x rate) the setting the
@@ -892,7 +894,7 @@ def write(args: argparse.Namespace, rows: list[dict], cases: list[dict]) -> None
         f"one-node run's, {sum(abs(r['error']) <= 0.15 for r in steady)} within 15%."
     )
     lines += cpu_floor_lines(rows)
-    lines += pass_lines(args, rows)
+    lines += pass_lines(args, rows, cases)
     lines += sorted({f"- {c['nodes']} nodes{_of_pass(c)}: {c['probe']}" for c in cases})
     lines += reference_lines(args)
     (out / "scaling_validation.md").write_text("\n".join(lines) + "\n")
@@ -904,14 +906,14 @@ def pass_folder(run: Path) -> Path:
     return run.parent.parent if run.parent.name == "neighbours" else run
 
 
-def pass_lines(args: argparse.Namespace, rows: list[dict]) -> list[str]:
+def pass_lines(args: argparse.Namespace, rows: list[dict], cases: list[dict]) -> list[str]:
     """The same predictions against each pass's runs alone, and the machine's speed during
     the pass's jobs against its speed when the fed one-node run ran: a model fed one run
     cannot be nearer the jobs than the machine stayed the same machine."""
     if args.repeats == 1:
         return []  # one pass: the table is that pass
     if args.feed == "each":
-        return each_pass_lines(args, rows)
+        return each_pass_lines(args, rows) + over_passes_lines(rows, cases)
     lines = []
     for nodes in args.node_counts:
         fraction = fraction_for(nodes, args.total_cores)
@@ -967,6 +969,41 @@ def each_pass_lines(args: argparse.Namespace, rows: list[dict]) -> list[str]:
                     "beside the fed one-node run"
                 )
             lines.append(line + ".")
+    return lines
+
+
+def over_passes_lines(rows: list[dict], cases: list[dict]) -> list[str]:
+    """--feed each: each setting over its passes. Its error is the median of the passes'
+    errors (each its prediction against its own job): a job that ran while the machine was
+    slower than beside its one-node run moves one pass, not the setting. Each pass's
+    recommendation is set against the settings' median measured steps."""
+    settings: dict[tuple, list[dict]] = {}
+    for r in rows:
+        settings.setdefault((r["nodes"], r["rate"], r["comm_hook"], r["bucket_cap_mb"]), [])
+        settings[(r["nodes"], r["rate"], r["comm_hook"], r["bucket_cap_mb"])].append(r)
+    errors = [statistics.median(r["error"] for r in runs) for runs in settings.values()]
+    if not errors:
+        return []
+    lines = [
+        f"Each setting's median error over its passes: {sum(abs(e) <= 0.15 for e in errors)} "
+        f"of {len(errors)} within 15% (largest {max(map(abs, errors)):.1%}; "
+        f"{sum(e < 0 for e in errors)} negative, mean {statistics.mean(errors):+.1%})."
+    ]
+    judged = []
+    for case in cases:
+        steps = {
+            f"{hook} {bucket}": statistics.median(r["measured_step_s"] for r in runs)
+            for (nodes, rate, hook, bucket), runs in settings.items()
+            if (nodes, rate) == (case["nodes"], case["rate"])
+        }
+        chosen = case["recommended"].removesuffix(" (among those measured)")
+        judged.append(steps[chosen] / min(steps.values()) - 1)
+    if judged:
+        lines.append(
+            f"Against the settings' median steps over the passes, each pass's recommendation "
+            f"is the best or within 5% of it in {sum(j <= 0.05 for j in judged)} of "
+            f"{len(judged)} cases (at most {max(judged):+.1%})."
+        )
     return lines
 
 

@@ -526,14 +526,14 @@ def test_the_validation_reports_each_pass_and_the_machines_speed_then(tmp_path: 
         (folder / "results.json").write_text(json.dumps({"step_time_median_s": step}))
         (folder / sv.SPEED_FILE).write_text(json.dumps({"rounds_per_cpu_s": speed}))
     args = SimpleNamespace(out=tmp_path, node_counts=[2], total_cores=1.6, repeats=2, feed="median")
-    assert sv.pass_lines(args, rows) == [
+    assert sv.pass_lines(args, rows, []) == [
         "- 2 nodes, pass 1 alone: 2 of 2 within 15% (mean +0.3%); the machine at -1% of its "
         "speed when the fed one-node run ran (median of the jobs' readings).",
         "- 2 nodes, pass 2 alone: 0 of 2 within 15% (mean -29.8%); the machine at -25% of its "
         "speed when the fed one-node run ran (median of the jobs' readings).",
     ]
     # One pass: nothing to set apart.
-    assert sv.pass_lines(SimpleNamespace(**{**vars(args), "repeats": 1}), rows) == []
+    assert sv.pass_lines(SimpleNamespace(**{**vars(args), "repeats": 1}), rows, []) == []
 
 
 def test_the_validation_feeds_each_pass_its_own_one_node_run(tmp_path: Path) -> None:
@@ -610,6 +610,16 @@ def test_the_validation_feeds_each_pass_its_own_one_node_run(tmp_path: Path) -> 
     assert (
         "- 2 nodes, 200mbit, pass 2: 1 one-node run 1.300 s (spread 0%); the command was fed "
         "one_node_0.8_200mbit_r2"
+    ) in proc.stdout
+    # Over the passes: none 1's errors -4.8% and +4.0% (median -0.4%), powersgd 25's -4.8%
+    # and -53.6% (median -29.2%); the median steps 2.300 and 1.925 s: powersgd the best.
+    assert (
+        "Each setting's median error over its passes: 1 of 2 within 15% (largest 29.2%; 2 "
+        "negative, mean -14.8%)."
+    ) in proc.stdout
+    assert (
+        "Against the settings' median steps over the passes, each pass's recommendation is "
+        "the best or within 5% of it in 2 of 2 cases (at most +0.0%)."
     ) in proc.stdout
     rows = list(csv.DictReader((out / "scaling_validation.csv").open()))
     assert [(r["pass"], r["machine_vs_fed"]) for r in rows] == [
