@@ -985,9 +985,26 @@ def over_passes_lines(rows: list[dict], cases: list[dict]) -> list[str]:
     if not errors:
         return []
     lines = [
+        "",
+        "| nodes | link | comm_hook | bucket_cap_mb | measured s, pass by pass | predicted s "
+        "| errors | median error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {nodes} | {rate} | {hook} | {bucket} | "
+        + ", ".join(f"{r['measured_step_s']:.3f}" for r in runs)
+        + " | "
+        + ", ".join(f"{r['predicted_step_s']:.3f}" for r in runs)
+        + " | "
+        + ", ".join(f"{r['error']:+.1%}" for r in runs)
+        + f" | {error:+.1%} |"
+        for ((nodes, rate, hook, bucket), runs), error in zip(settings.items(), errors, strict=True)
+    ]
+    lines += [
+        "",
         f"Each setting's median error over its passes: {sum(abs(e) <= 0.15 for e in errors)} "
         f"of {len(errors)} within 15% (largest {max(map(abs, errors)):.1%}; "
-        f"{sum(e < 0 for e in errors)} negative, mean {statistics.mean(errors):+.1%})."
+        f"{sum(e < 0 for e in errors)} negative, mean {statistics.mean(errors):+.1%}).",
     ]
     judged = []
     for case in cases:

@@ -613,6 +613,9 @@ def test_the_validation_feeds_each_pass_its_own_one_node_run(tmp_path: Path) -> 
     ) in proc.stdout
     # Over the passes: none 1's errors -4.8% and +4.0% (median -0.4%), powersgd 25's -4.8%
     # and -53.6% (median -29.2%); the median steps 2.300 and 1.925 s: powersgd the best.
+    assert "| 2 | 200mbit | none | 1 | 2.100, 2.500 | 2.000, 2.600 | -4.8%, +4.0% | -0.4% |" in (
+        proc.stdout
+    )
     assert (
         "Each setting's median error over its passes: 1 of 2 within 15% (largest 29.2%; 2 "
         "negative, mean -14.8%)."
