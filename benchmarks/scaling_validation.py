@@ -1179,7 +1179,18 @@ def main() -> int:
             measure(args)
         finally:
             remove_groups(args.prefix)
-    write(args, *rows_of(args))
+    rows, cases = rows_of(args)
+    if not rows:
+        other = "median" if args.feed == "each" else "each"
+        print(
+            f"error: --out {args.out} holds no lab job beside a prediction of the command for "
+            f"--nodes {args.nodes} --rates {args.rates} --feed {args.feed}: nothing to report. "
+            f"Fix: measure there first (without --report-only), or give the --nodes, --rates "
+            f"and --feed it was measured with (e.g. --feed {other})",
+            file=sys.stderr,
+        )
+        return 2
+    write(args, rows, cases)
     return 0
 
 

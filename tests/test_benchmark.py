@@ -631,3 +631,27 @@ def test_the_validation_feeds_each_pass_its_own_one_node_run(tmp_path: Path) -> 
         ("2", "0.0"),
         ("2", "-0.1"),
     ]
+
+
+def test_the_validation_report_of_a_folder_without_its_predictions_says_so(tmp_path: Path) -> None:
+    """`--report-only` where nothing was measured with those --nodes/--rates/--feed (here a
+    grid measured with --feed each, reported with the default): one paragraph, exit 2, no
+    report written."""
+    out = tmp_path / "out"
+    (out / "2nodes_200mbit" / "none_1").mkdir(parents=True)
+    (out / "predicted_2_200mbit_r1.txt").write_text("measured with --feed each\n")
+    proc = run_script(
+        "scaling_validation.py",
+        "--nodes",
+        "2",
+        "--rates",
+        "200mbit",
+        "--out",
+        str(out),
+        "--report-only",
+    )
+    assert proc.returncode == 2
+    assert "holds no lab job beside a prediction" in proc.stderr
+    assert "--feed median" in proc.stderr and "Fix:" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (out / "scaling_validation.md").exists()
