@@ -894,6 +894,7 @@ def write(args: argparse.Namespace, rows: list[dict], cases: list[dict]) -> None
         f"one-node run's, {sum(abs(r['error']) <= 0.15 for r in steady)} within 15%."
     )
     lines += cpu_floor_lines(rows)
+    lines += cpu_lane_lines(rows)
     lines += pass_lines(args, rows, cases)
     lines += sorted({f"- {c['nodes']} nodes{_of_pass(c)}: {c['probe']}" for c in cases})
     lines += reference_lines(args)
@@ -1046,6 +1047,42 @@ def cpu_floor_lines(rows: list[dict]) -> list[str]:
     if others:
         line += f"; the other {len(others)}: mean error {statistics.mean(r['error'] for r in others):+.1%}"
     return [line + "."]
+
+
+def cpu_lane_lines(rows: list[dict]) -> list[str]:
+    """Where an error lies, for the model's CPU lane: a job's lane, measured (a rank's CPU
+    per step over its quota plus its exposed communication, both the job's own), against
+    its measured step, and the prediction against that lane. A lane above the step says the
+    job overlapped that much of its CPU with its wait on the wire, which the lane (the
+    model's floor: CPU / cores + exposed) counts one after the other; the prediction
+    against the lane is the model's own error on the lane's parts. Medians over a rate and
+    hook's jobs."""
+    groups: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    for r in rows:
+        cpu, exposed = r.get("rank_cpu_per_step_s"), r.get("measured_exposed_comm_s")
+        if not cpu or exposed is None:
+            continue
+        lane = cpu / r["core_fraction"] + exposed
+        step, predicted = r["measured_step_s"], r["predicted_step_s"]
+        groups.setdefault((r["rate"], r["comm_hook"]), []).append(
+            (lane / step - 1, predicted / lane - 1, predicted / step - 1)
+        )
+    if not groups:
+        return []
+    lines = [
+        "The CPU lane, measured (a rank's CPU per step over its quota plus the exposed "
+        "communication, both the job's), against the measured step, and the prediction "
+        "against that lane (medians over the jobs):"
+    ]
+    for (rate, hook), values in sorted(groups.items()):
+        over_step = [v[0] for v in values]
+        lines.append(
+            f"- {rate} {hook}: lane vs step {statistics.median(over_step):+.1%} "
+            f"({min(over_step):+.0%} to {max(over_step):+.0%}), predicted vs lane "
+            f"{statistics.median(v[1] for v in values):+.1%}, predicted vs step "
+            f"{statistics.median(v[2] for v in values):+.1%} ({len(values)} jobs)"
+        )
+    return lines
 
 
 def reference_lines(args: argparse.Namespace) -> list[str]:

@@ -384,6 +384,14 @@ def test_the_validation_report_takes_the_median_of_repeated_runs(tmp_path: Path)
         "1 of 2 predictions lie below their job's CPU floor (a rank's CPU per step over its "
         "quota): their errors -9.1% to -9.1%; the other 1: mean error +22.4%."
     ) in proc.stdout
+    # The lane measured in the job: PowerSGD's 0.85 s of CPU over 0.8 of a core plus 0.1 s
+    # exposed, 1.1625 s, against its 1.1 s step (+5.7%) and its 1.0 s prediction (-14.0%).
+    assert (
+        "- 200mbit powersgd: lane vs step +5.7% (+6% to +6%), predicted vs lane -14.0%, "
+        "predicted vs step -9.1% (1 jobs)"
+    ) in proc.stdout
+    assert "- 200mbit fp16: lane vs step -40.8%" in proc.stdout
+    assert "200mbit none:" not in proc.stdout  # no CPU recorded: no lane
     assert (
         "- 2 nodes: 1 one-node run 0.520 s (spread 0%); the command was fed one_node_0.8, "
         "0.400 s of CPU a step (96% of its quota)"
