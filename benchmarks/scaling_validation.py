@@ -1025,6 +1025,11 @@ def over_passes_lines(rows: list[dict], cases: list[dict]) -> list[str]:
     return lines
 
 
+def job_cpu_floor(row: dict) -> float:
+    """A job's shortest step its CPU allows: a rank's CPU per step over its node's quota."""
+    return row["rank_cpu_per_step_s"] / row["core_fraction"]
+
+
 def cpu_floor_lines(rows: list[dict]) -> list[str]:
     """The predictions below their job's CPU floor: a rank's CPU per step over its node's
     quota, the shortest step those seconds of CPU allow. A prediction under it cannot be met
@@ -1033,9 +1038,7 @@ def cpu_floor_lines(rows: list[dict]) -> list[str]:
     known = [r for r in rows if r.get("rank_cpu_per_step_s")]
     if not known:
         return []
-    below = [
-        r for r in known if r["predicted_step_s"] < r["rank_cpu_per_step_s"] / r["core_fraction"]
-    ]
+    below = [r for r in known if r["predicted_step_s"] < job_cpu_floor(r)]
     others = [r for r in known if r not in below]
     line = (
         f"{len(below)} of {len(known)} predictions lie below their job's CPU floor (a rank's "
@@ -1062,7 +1065,7 @@ def cpu_lane_lines(rows: list[dict]) -> list[str]:
         cpu, exposed = r.get("rank_cpu_per_step_s"), r.get("measured_exposed_comm_s")
         if not cpu or exposed is None:
             continue
-        lane = cpu / r["core_fraction"] + exposed
+        lane = job_cpu_floor(r) + exposed
         step, predicted = r["measured_step_s"], r["predicted_step_s"]
         groups.setdefault((r["rate"], r["comm_hook"]), []).append(
             (lane / step - 1, predicted / lane - 1, predicted / step - 1)
