@@ -60,6 +60,12 @@ def test_results_record_the_live_ddp_settings(tmp_path: Path) -> None:
     # The model has BatchNorm; switched off, DDP broadcasts none of its buffers.
     assert ddp["forward_sync_buffers"] is False
     assert out["gradients"]["broadcast_buffer_bytes"] == {}
+    # When each gradient was ready in the backward, in the order DDP buckets them (the
+    # last layer's first): the scaling model schedules each bucket from these.
+    ready = out["gradients"]["ready_fractions"]
+    assert len(ready) == len(out["gradients"]["shapes"])
+    assert all(0 <= share <= 1 for share in ready)
+    assert ready[0] < ready[-1]
 
 
 @pytest.mark.slow

@@ -352,6 +352,40 @@ def test_overlap_hides_communication_behind_the_backward_except_powersgd_on_gloo
     assert on_gloo.exposed_comm_s > on_nccl.exposed_comm_s
 
 
+def test_a_bucket_goes_on_the_wire_when_the_run_measured_its_gradients_ready() -> None:
+    """Where the one-node run recorded when each gradient was ready (a ResNet's last stage,
+    most of its bytes, early in the backward), each bucket leaves then, not when the
+    backward has produced that share of the bytes; the schedule is the plain recurrence
+    from those points. Without the record: the bytes' share."""
+    shapes = [[1024, 1024], [256, 256], [64, 64]]  # 4 MiB, 256 KiB, 16 KiB
+    run = _run(shapes=shapes, step_s=2.0, forward_s=0.3, backward_s=1.5, data_wait_s=0.0)
+    link = Link.rated(200e6, latency_s=1e-6)
+    groups = buckets(shapes, 4, 0.1)  # one bucket each
+    assert groups == [[0], [1], [2]]
+    sizes = [4 * 2**20, 256 * 2**10, 16 * 2**10]
+    wire = [2 * 7 / 8 * size * 8 / 200e6 for size in sizes]
+
+    def plain(ready: list[float]) -> float:
+        end = 0.0
+        for at, seconds in zip(ready, wire, strict=True):
+            end = max(end, at) + seconds
+        return max(0.0, run.forward_s + end - (run.forward_s + run.backward_s))
+
+    measured = replace(run, ready_fractions=[0.1, 0.5, 0.9])
+    early = predict(measured, 8, "none", link, 0.0, 0.1)
+    by_bytes = predict(run, 8, "none", link, 0.0, 0.1)
+    total = sum(sizes)
+    assert early.exposed_comm_s == pytest.approx(plain([0.15, 0.75, 1.35]))
+    shares = [sum(sizes[: k + 1]) / total for k in range(3)]
+    assert by_bytes.exposed_comm_s == pytest.approx(plain([1.5 * s for s in shares]))
+    assert early.step_s < by_bytes.step_s
+    # DDP sends the buckets in order: one ready before the bucket ahead of it waits for it.
+    out_of_order = replace(run, ready_fractions=[0.6, 0.2, 0.9])
+    assert predict(out_of_order, 8, "none", link, 0.0, 0.1).exposed_comm_s == pytest.approx(
+        plain([0.9, 0.9, 1.35])
+    )
+
+
 BN_BUFFERS = {"float32": 38_400, "int64": 160}  # resnet18's BatchNorm statistics, counters
 
 

@@ -6,6 +6,7 @@ import lightning as L
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_template.worker.comm_hooks import broadcast_buffer_bytes, registered_hook
+from ddp_template.worker.gradient_ready import GradientReadyTimes
 
 
 def read_ddp_settings(model: object) -> dict[str, float] | None:
@@ -40,9 +41,25 @@ class DDPSettingsMonitor(L.Callback):
         # The gradients' layout and DDP's compute timers, read while the wrapper exists
         # (Lightning unwraps the model when fit ends); results.json's `gradients`.
         self.gradients: dict[str, object] | None = None
+        self._ready = GradientReadyTimes()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if isinstance(trainer.strategy.model, DistributedDataParallel):
+            self._ready.attach(trainer.strategy.model.module)
+
+    def on_before_backward(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, loss: object
+    ) -> None:
+        self._ready.backward_starts()
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._ready.backward_ends()
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.gradients = gradient_layout(trainer.strategy.model)
+        if self.gradients is not None:
+            self.gradients["ready_fractions"] = self._ready.fractions()
+        self._ready.detach()
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         settings = read_ddp_settings(trainer.strategy.model)
