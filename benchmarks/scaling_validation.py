@@ -577,6 +577,17 @@ PARTS = re.compile(
 )
 
 
+ASSUMED_CPU = re.compile(
+    r"nodes=\d+ hook=(\w+) bucket_cap_mb=(\S+) .*a rank's CPU ([\d.]+) s a step"
+)
+
+
+def predicted_cpu(path: Path) -> dict[tuple[str, int], float]:
+    """The rank CPU per step each prediction assumed (printed since the command gave its
+    floor's parts; an older output: none)."""
+    return {(m[1], int(float(m[2]))): float(m[3]) for m in ASSUMED_CPU.finditer(path.read_text())}
+
+
 def predicted_parts(path: Path) -> dict[tuple[str, int], tuple[float, float]]:
     """The compute and exposed communication of each prediction line."""
     return {
@@ -706,7 +717,7 @@ def block_of(
     measured best)."""
     rows = []
     path = block["predicted"]
-    predicted, parts = predictions(path), predicted_parts(path)
+    predicted, parts, assumed_cpu = predictions(path), predicted_parts(path), predicted_cpu(path)
     measured = {}
     reference_forward = one_node_forward(path)
     reference_cpu = one_node_cpu(block["reference"])
@@ -761,6 +772,9 @@ def block_of(
                 # quota that used: near 1 the step is bound by the node's cores, compute and
                 # communication taking turns.
                 "rank_cpu_per_step_s": _rounded(cpu),
+                # The rank CPU the prediction assumed (the one-node run's, the hook's and
+                # the probed collectives'), against which the measured one is read.
+                "predicted_rank_cpu_s": assumed_cpu.get((hook, bucket)),
                 "rank_cpu_vs_one_node": (
                     round(cpu / reference_cpu - 1, 4) if cpu and reference_cpu else None
                 ),
@@ -1061,6 +1075,7 @@ def cpu_lane_lines(rows: list[dict]) -> list[str]:
     against the lane is the model's own error on the lane's parts. Medians over a rate and
     hook's jobs."""
     groups: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    assumed: dict[tuple[str, str], list[float]] = {}
     for r in rows:
         cpu, exposed = r.get("rank_cpu_per_step_s"), r.get("measured_exposed_comm_s")
         if not cpu or exposed is None:
@@ -1070,6 +1085,10 @@ def cpu_lane_lines(rows: list[dict]) -> list[str]:
         groups.setdefault((r["rate"], r["comm_hook"]), []).append(
             (lane / step - 1, predicted / lane - 1, predicted / step - 1)
         )
+        if r.get("predicted_rank_cpu_s"):
+            assumed.setdefault((r["rate"], r["comm_hook"]), []).append(
+                r["predicted_rank_cpu_s"] / cpu - 1
+            )
     if not groups:
         return []
     lines = [
@@ -1084,6 +1103,11 @@ def cpu_lane_lines(rows: list[dict]) -> list[str]:
             f"({min(over_step):+.0%} to {max(over_step):+.0%}), predicted vs lane "
             f"{statistics.median(v[1] for v in values):+.1%}, predicted vs step "
             f"{statistics.median(v[2] for v in values):+.1%} ({len(values)} jobs)"
+            + (
+                f"; the rank CPU it assumed vs the job's {statistics.median(cpu_errors):+.1%}"
+                if (cpu_errors := assumed.get((rate, hook)))
+                else ""
+            )
         )
     return lines
 

@@ -328,13 +328,14 @@ def test_the_validation_report_takes_the_median_of_repeated_runs(tmp_path: Path)
     out.mkdir()
     lines = [
         f"nodes=2 hook={hook} bucket_cap_mb={bucket} compute 0.500 s exposed comm 0.100 s "
-        f"data wait 0.001 s predicted step time: {step:.3f} s"
-        for hook, bucket, step in (
-            ("none", 1, 2.0),
-            ("none", 25, 2.1),
-            ("none", 100, 2.2),
-            ("fp16", 25, 1.5),
-            ("powersgd", 25, 1.0),
+        f"data wait 0.001 s {floor}predicted step time: {step:.3f} s"
+        for hook, bucket, step, floor in (
+            ("none", 1, 2.0, ""),
+            ("none", 25, 2.1, ""),
+            ("none", 100, 2.2, ""),
+            ("fp16", 25, 1.5, ""),
+            # The floor's parts as the command prints them: the rank CPU it assumed.
+            ("powersgd", 25, 1.0, "CPU floor 1.000 s (a rank's CPU 0.680 s a step) "),
         )
     ]
     lines += [
@@ -388,7 +389,7 @@ def test_the_validation_report_takes_the_median_of_repeated_runs(tmp_path: Path)
     # exposed, 1.1625 s, against its 1.1 s step (+5.7%) and its 1.0 s prediction (-14.0%).
     assert (
         "- 200mbit powersgd: lane vs step +5.7% (+6% to +6%), predicted vs lane -14.0%, "
-        "predicted vs step -9.1% (1 jobs)"
+        "predicted vs step -9.1% (1 jobs); the rank CPU it assumed vs the job's -20.0%"
     ) in proc.stdout
     assert "- 200mbit fp16: lane vs step -40.8%" in proc.stdout
     assert "200mbit none:" not in proc.stdout  # no CPU recorded: no lane

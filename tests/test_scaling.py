@@ -228,6 +228,7 @@ def test_a_rank_bound_by_its_cpu_takes_that_cpu_then_the_exposed_communication()
         assert schedule.cpu_floor_s is None
         floor = cpu / 0.2 + schedule.exposed_comm_s + run.data_wait_s
         assert p.cpu_floor_s == pytest.approx(floor), (hook, cap, cost)
+        assert p.rank_cpu_s == pytest.approx(cpu), (hook, cap, cost)
         assert p.step_s == pytest.approx(max(floor, schedule.step_s))
         assert p.compute_s + p.exposed_comm_s + p.data_wait_s == pytest.approx(p.step_s)
     assert (
@@ -235,6 +236,13 @@ def test_a_rank_bound_by_its_cpu_takes_that_cpu_then_the_exposed_communication()
         > predict(run, 8, "none", rated, 0.0, 100).step_s
     )
     assert predict(_run(shapes=shapes), 8, "none", link, 0.0, 100).cpu_floor_s is None
+    # The command prints the floor and the rank's CPU it assumed.
+    lines = report(run, [8], link, ["none"], {"none": 0.0}, None, [100])
+    cpu = 0.19 + per_call + sent * per_byte
+    assert (
+        f"CPU floor {cpu / 0.2 + predict(run, 8, 'none', rated, 0.0, 100).exposed_comm_s + run.data_wait_s:.3f} s (a rank's CPU {cpu:.3f} s a step)"
+        in lines[2]
+    )
     assert "0.200 of a core while computing and all-reducing, 1000 us per all-reduce, 2.00 ns" in (
         link.describe()
     )

@@ -250,6 +250,8 @@ class Prediction:
     # The shortest step a rank's CPU allows on its node (`rank_cpu_s` over the link's cores,
     # plus the exposed communication); None: not known.
     cpu_floor_s: float | None = None
+    # The CPU a rank spends per step that floor assumes (`rank_cpu_s`); None: not known.
+    rank_cpu_s: float | None = None
 
 
 def load_run(job: Path) -> MeasuredRun:
@@ -503,6 +505,7 @@ def predict(
         one_node / step,
         buffers_s,
         floor,
+        cpu if floor is not None else None,
     )
 
 
@@ -966,7 +969,9 @@ def _probe_file(path: Path, option: str, allowed: str) -> dict[str, Any]:
 
 
 def _floor(p: Prediction) -> str:
-    return f"CPU floor {p.cpu_floor_s:.3f} s " if p.cpu_floor_s is not None else ""
+    if p.cpu_floor_s is None or p.rank_cpu_s is None:
+        return ""
+    return f"CPU floor {p.cpu_floor_s:.3f} s (a rank's CPU {p.rank_cpu_s:.3f} s a step) "
 
 
 def _buffers(p: Prediction) -> str:
