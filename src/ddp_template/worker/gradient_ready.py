@@ -6,7 +6,8 @@ last stage holds three quarters of its weights and, at a small image size, a sma
 the backward's work, so its gradients are ready early and their bucket goes on the wire
 while most of the backward is still to run. This records, for each trained parameter, the
 share of the backward's time elapsed when its gradient was accumulated (a
-post-accumulate-grad hook per parameter: one clock read), the median over the steps.
+post-accumulate-grad hook per parameter: one clock read), the median over the first
+steps (`SAMPLED_BACKWARDS`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from typing import Any
 
 # The first backward builds autograd's buffers and DDP's buckets: not a step's timing.
 SKIPPED_BACKWARDS = 1
+# Backwards timed after those; then the hooks come off, so a long training keeps neither
+# a clock read per gradient nor a list that grows with its steps.
+SAMPLED_BACKWARDS = 50
 
 
 class GradientReadyTimes:
@@ -47,8 +51,9 @@ class GradientReadyTimes:
         return ready
 
     def backward_starts(self) -> None:
-        self._started = time.perf_counter()
-        self._ready_at = {}
+        if self._handles:
+            self._started = time.perf_counter()
+            self._ready_at = {}
 
     def backward_ends(self) -> None:
         started, self._started = self._started, None
@@ -60,6 +65,8 @@ class GradientReadyTimes:
             return
         for index, at in self._ready_at.items():
             self._shares[index].append(min(1.0, (at - started) / span))
+        if self._backwards >= SKIPPED_BACKWARDS + SAMPLED_BACKWARDS:
+            self.detach()
 
     def fractions(self) -> list[float] | None:
         """Each trained parameter's median share, in the order DDP buckets them (the
