@@ -29,6 +29,12 @@ so a machine whose speed drifts over the grid moves a prediction and its job tog
 report then gives each setting's median error over its passes, and each pass's
 recommendation against the settings' median steps.
 
+With `--feed job` each job has one-node runs of its own right before it, and the
+command fed their median right after it (with `--link-from lab` the idle lab probed once a
+pass and rate, `netlab probe --allreduce --save`, and each command given that file), so a
+fed run and its job lie minutes apart, not the length of a rate's nine jobs. The report is
+that of --feed each; a pass's recommendation is that of its first job's command.
+
 No figure from the N-node jobs goes into a prediction. Prints predicted against measured
 step time with the error per setting, and per case (node count x rate) the setting the
 command recommends among those measured against the measured best. Beside each setting:
@@ -303,17 +309,44 @@ def reference_folder(out: Path, fraction: float, repeat: int) -> Path:
     return out / (f"one_node_{fraction}" + (f"_r{repeat + 1}" if repeat else ""))
 
 
-def block_folder(out: Path, fraction: float, rate: str, repeat: int) -> Path:
+# The --feed choices that judge each prediction against the jobs of its own block.
+BLOCK_FEEDS = ("each", "job")
+
+
+def block_folder(
+    out: Path, fraction: float, rate: str, repeat: int, setting: tuple[str, int] | None = None
+) -> Path:
     """With --feed each: the one-node run of pass `repeat` at `rate`, run just before that
-    rate's jobs of the pass."""
-    return out / f"one_node_{fraction}_{rate}_r{repeat + 1}"
+    rate's jobs of the pass; with --feed job (`setting` given): just before that setting's
+    job."""
+    return out / (f"one_node_{fraction}_{rate}_r{repeat + 1}" + _of_setting(setting))
 
 
-def predicted_file(out: Path, nodes: int, rate: str, repeat: int | None = None) -> Path:
-    """The command's output: one per node count and rate, or with --feed each one per pass."""
+def predicted_file(
+    out: Path,
+    nodes: int,
+    rate: str,
+    repeat: int | None = None,
+    setting: tuple[str, int] | None = None,
+) -> Path:
+    """The command's output: one per node count and rate, with --feed each one per pass,
+    with --feed job one per job (`setting`)."""
     return out / (
-        f"predicted_{nodes}_{rate}" + ("" if repeat is None else f"_r{repeat + 1}") + ".txt"
+        f"predicted_{nodes}_{rate}"
+        + ("" if repeat is None else f"_r{repeat + 1}")
+        + _of_setting(setting)
+        + ".txt"
     )
+
+
+def probe_file(out: Path, nodes: int, rate: str, repeat: int) -> Path:
+    """With --feed job and --link-from lab: the idle lab's all-reduce probe at `rate`, read
+    once before the pass's jobs at that rate, which each job's command takes (`--link FILE`)."""
+    return out / f"probe_{nodes}_{rate}_r{repeat + 1}.json"
+
+
+def _of_setting(setting: tuple[str, int] | None) -> str:
+    return "" if setting is None else f"_{setting[0]}_{setting[1]}"
 
 
 def runs_in(folder: Path) -> list[tuple[float, Path]]:
@@ -375,11 +408,13 @@ def predict_with_the_command(
     group: Path,
     link: list[str] | None = None,
     repeat: int | None = None,
+    setting: tuple[str, int] | None = None,
 ) -> Path:
     """`--link <rate>`, or with --link-from lab `--link lab` (the running lab at that rate,
     probed by an all-reduce over all its nodes, each under its quota), or `link` as given
-    (e.g. `--link probe.json`). `repeat`: with --feed each, the pass it predicts."""
-    out = predicted_file(args.out, nodes, rate, repeat)
+    (e.g. `--link probe.json`). `repeat`: with --feed each, the pass it predicts;
+    `setting`: with --feed job, the job."""
+    out = predicted_file(args.out, nodes, rate, repeat, setting)
     if out.is_file():
         return out
     if link is None:
@@ -487,7 +522,7 @@ def measure(args: argparse.Namespace) -> None:
         wait_for_memory(2000 * nodes + 2000)
         lab = lab_for(args, nodes)
         try:
-            if args.feed == "each":
+            if args.feed in BLOCK_FEEDS:
                 measure_each_pass(args, lab, nodes, port)
                 port += args.repeats * len(args.rate_list) * len(grid(args.full))
                 continue
@@ -519,12 +554,60 @@ def measure_each_pass(args: argparse.Namespace, lab: Lab, nodes: int, port: int)
     for repeat in range(args.repeats):
         for rate in args.rate_list:
             lab.set_rate(parse_rate(rate))
+            if args.feed == "job":
+                measure_each_job(args, lab, nodes, port, repeat, rate)
+                port += len(grid(args.full))
+                continue
             block = block_folder(args.out, fraction, rate, repeat)
             one_node_run(args, fraction, nodes, repeat, command=False, folder=block)
             for hook, bucket in grid(args.full):
                 port += 1
                 run_job(args, lab, nodes, rate, hook, bucket, repeat, port)
             command_after_jobs(args, median_of(runs_in(block)), nodes, rate, repeat)
+
+
+def measure_each_job(
+    args: argparse.Namespace, lab: Lab, nodes: int, port: int, repeat: int, rate: str
+) -> None:
+    """--feed job: every job has one-node runs of its own right before it and the command
+    fed their median right after it: the fed run and the job minutes apart, not the length
+    of a block (on this machine the same work's CPU drifted by up to 48% within a block:
+    docs/nodes.md). With --link-from lab the idle lab is probed once at the rate, before
+    its jobs (`netlab probe --allreduce --save`), and each command takes that file."""
+    fraction = args.current
+    link = None
+    if args.link_from == "lab":
+        probe = probe_file(args.out, nodes, rate, repeat)
+        save_lab_probe(args, probe)
+        link = ["--link", str(probe)]
+    for hook, bucket in grid(args.full):
+        port += 1
+        folder = block_folder(args.out, fraction, rate, repeat, (hook, bucket))
+        one_node_run(args, fraction, nodes, repeat, command=False, folder=folder)
+        run_job(args, lab, nodes, rate, hook, bucket, repeat, port)
+        command_after_jobs(
+            args, median_of(runs_in(folder)), nodes, rate, repeat, (hook, bucket), link
+        )
+
+
+def save_lab_probe(args: argparse.Namespace, probe: Path) -> None:
+    """The idle lab's all-reduce probe, as the command's `--link lab` reads it, saved."""
+    if probe.is_file():
+        return
+    command = [
+        PYTHON,
+        "-m",
+        "ddp_template.tools.netlab",
+        "probe",
+        "--allreduce",
+        "--save",
+        str(probe),
+        "--prefix",
+        args.prefix,
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode or not probe.is_file():
+        raise RuntimeError(f"the lab's probe failed: {done.stderr}")
 
 
 def run_job(
@@ -553,18 +636,25 @@ def run_job(
 
 
 def command_after_jobs(
-    args: argparse.Namespace, reference: Path, nodes: int, rate: str, repeat: int | None = None
+    args: argparse.Namespace,
+    reference: Path,
+    nodes: int,
+    rate: str,
+    repeat: int | None = None,
+    setting: tuple[str, int] | None = None,
+    link: list[str] | None = None,
 ) -> None:
-    """The command users run, fed `reference`, the lab at `rate` and its jobs done."""
+    """The command users run, fed `reference`, the lab at `rate` and its jobs done
+    (`setting`: with --feed job, the one job it is set against; `link`: as given)."""
     fraction = args.current
     group = make_group(args.prefix, f"{args.prefix}-node0", fraction, args.cfs_period_us)
     if args.link_from == "lab":
         # The lab's nodes idle: the probe measures the link, not the jobs.
-        predict_with_the_command(args, reference, nodes, rate, group, repeat=repeat)
+        predict_with_the_command(args, reference, nodes, rate, group, link, repeat, setting)
     else:
         # Fresh folders for the neighbours: the one-node runs' are in use.
         with busy_neighbours(args, args.out / f"command_{fraction}", fraction, nodes):
-            predict_with_the_command(args, reference, nodes, rate, group, repeat=repeat)
+            predict_with_the_command(args, reference, nodes, rate, group, link, repeat, setting)
 
 
 # --- the report --------------------------------------------------------------------------
@@ -672,8 +762,31 @@ def measured_period(out: Path) -> int:
 def blocks(args: argparse.Namespace, nodes: int, rate: str) -> list[dict]:
     """What each prediction is set against: by default one block, the command's output
     against every pass's jobs (each setting at its median); with --feed each one block a
-    pass, its own output against its own jobs."""
+    pass, its own output against its own jobs; with --feed job one block a pass too, each
+    job against the output of the command fed its own one-node runs (`by_setting`), the
+    block's recommendation that of its first job's command."""
     fraction = fraction_for(nodes, args.total_cores)
+    if args.feed == "job":
+        found = []
+        for repeat in range(args.repeats):
+            by_setting = {}
+            for setting in grid(args.full):
+                runs = runs_in(block_folder(args.out, fraction, rate, repeat, setting))
+                path = predicted_file(args.out, nodes, rate, repeat, setting)
+                if path.is_file():
+                    by_setting[setting] = (path, median_of(runs) if runs else None)
+            if by_setting:
+                first_path, first_reference = next(iter(by_setting.values()))
+                found.append(
+                    {
+                        "pass": repeat + 1,
+                        "predicted": first_path,
+                        "repeats": [repeat],
+                        "reference": first_reference,
+                        "by_setting": by_setting,
+                    }
+                )
+        return found
     if args.feed == "each":
         found = []
         for repeat in range(args.repeats):
@@ -717,13 +830,22 @@ def block_of(
     measured best)."""
     rows = []
     path = block["predicted"]
-    predicted, parts, assumed_cpu = predictions(path), predicted_parts(path), predicted_cpu(path)
+    predicted = predictions(path)
     measured = {}
-    reference_forward = one_node_forward(path)
-    reference_cpu = one_node_cpu(block["reference"])
-    fed_speed = read_speed(pass_folder(block["reference"])) if block["reference"] else None
     fraction = fraction_for(nodes, args.total_cores)
     for hook, bucket in grid(args.full):
+        # The command's output and the one-node run it was fed: with --feed job this job's
+        # own, else the block's.
+        own_path, reference = (block.get("by_setting") or {}).get(
+            (hook, bucket), (path, block["reference"])
+        )
+        if "by_setting" in block and (hook, bucket) not in block["by_setting"]:
+            continue
+        own = predictions(own_path)
+        parts, assumed_cpu = predicted_parts(own_path), predicted_cpu(own_path)
+        reference_forward = one_node_forward(own_path)
+        reference_cpu = one_node_cpu(reference)
+        fed_speed = read_speed(pass_folder(reference)) if reference else None
         records, speeds = [], []
         for repeat in block["repeats"]:
             folder = job_folder(args.out, nodes, rate, hook, bucket, repeat)
@@ -754,8 +876,8 @@ def block_of(
                 # The slowest run over the fastest, minus one: the lab's own spread.
                 "runs_spread": round(max(steps) / min(steps) - 1, 4),
                 "measured_step_s": round(step, 4),
-                "predicted_step_s": round(predicted[(hook, bucket)], 4),
-                "error": round(predicted[(hook, bucket)] / step - 1, 4),
+                "predicted_step_s": round(own[(hook, bucket)], 4),
+                "error": round(own[(hook, bucket)] / step - 1, 4),
                 # Where the error lies: the step's parts, measured and predicted.
                 "measured_forward_backward_s": _rounded(lab_compute),
                 "measured_exposed_comm_s": _rounded(lab_exposed),
@@ -927,7 +1049,7 @@ def pass_lines(args: argparse.Namespace, rows: list[dict], cases: list[dict]) ->
     cannot be nearer the jobs than the machine stayed the same machine."""
     if args.repeats == 1:
         return []  # one pass: the table is that pass
-    if args.feed == "each":
+    if args.feed in BLOCK_FEEDS:
         return each_pass_lines(args, rows) + over_passes_lines(rows, cases)
     lines = []
     for nodes in args.node_counts:
@@ -1117,7 +1239,18 @@ def reference_lines(args: argparse.Namespace) -> list[str]:
     lines = []
     for nodes in args.node_counts:
         fraction = fraction_for(nodes, args.total_cores)
-        if args.feed == "each":
+        if args.feed == "job":
+            # One line a job: its own one-node runs and the one its command was fed.
+            labelled = [
+                (
+                    f"{nodes} nodes, {rate}, pass {r + 1}, {hook} {bucket}",
+                    runs_in(block_folder(args.out, fraction, rate, r, (hook, bucket))),
+                )
+                for r in range(args.repeats)
+                for rate in args.rate_list
+                for hook, bucket in grid(args.full)
+            ]
+        elif args.feed == "each":
             found = [
                 (f"{nodes} nodes, {rate}, pass {r + 1}", block_folder(args.out, fraction, rate, r))
                 for r in range(args.repeats)
@@ -1188,12 +1321,14 @@ def main() -> int:
     )
     parser.add_argument(
         "--feed",
-        choices=["median", "each"],
+        choices=["median", *BLOCK_FEEDS],
         default="median",
         help="what the command is fed: the median of every pass's one-node runs, its "
         "predictions set against each setting's median run (median); or each pass and rate "
         "a block of its own (one-node runs, that rate's jobs, the command fed the block's "
-        "median one-node run), every prediction against its own block's job (each)",
+        "median one-node run), every prediction against its own block's job (each); or "
+        "each job its own one-node runs right before it and the command fed them right "
+        "after it, the lab probed once a pass and rate (job)",
     )
     parser.add_argument(
         "--link-from",
@@ -1245,7 +1380,7 @@ def main() -> int:
             remove_groups(args.prefix)
     rows, cases = rows_of(args)
     if not rows:
-        other = "median" if args.feed == "each" else "each"
+        other = "median" if args.feed in BLOCK_FEEDS else "each"
         print(
             f"error: --out {args.out} holds no lab job beside a prediction of the command for "
             f"--nodes {args.nodes} --rates {args.rates} --feed {args.feed}: nothing to report. "

@@ -642,6 +642,108 @@ def test_the_validation_feeds_each_pass_its_own_one_node_run(tmp_path: Path) -> 
     ]
 
 
+def test_the_validation_feeds_each_job_its_own_one_node_run(monkeypatch, tmp_path: Path) -> None:
+    """`--feed job`: each job's own one-node runs come right before it and the command fed
+    them right after it (the lab probed once a pass and rate, each command given that
+    file); the report sets each job against its own command's prediction and names the run
+    each command was fed."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import scaling_validation as sv
+
+    out = tmp_path / "out"
+    order: list[tuple] = []
+    monkeypatch.setattr(
+        sv, "save_lab_probe", lambda args, probe: order.append(("probe", probe.name))
+    )
+    monkeypatch.setattr(
+        sv,
+        "one_node_run",
+        lambda args, fraction, nodes, repeat, command, folder: order.append(
+            ("one node", folder.name)
+        ),
+    )
+    monkeypatch.setattr(
+        sv,
+        "run_job",
+        lambda args, lab, nodes, rate, hook, bucket, repeat, port: order.append(
+            ("job", hook, bucket)
+        ),
+    )
+    monkeypatch.setattr(sv, "runs_in", lambda folder: [(1.0, folder)])
+    monkeypatch.setattr(
+        sv,
+        "command_after_jobs",
+        lambda args, reference, nodes, rate, repeat, setting, link: order.append(
+            ("command", reference.name, setting, link)
+        ),
+    )
+    lab = SimpleNamespace(set_rate=lambda bps: order.append(("rate", bps)))
+    args = SimpleNamespace(
+        current=0.8,
+        out=out,
+        repeats=1,
+        rate_list=["200mbit"],
+        full=False,
+        link_from="lab",
+        feed="job",
+    )
+    sv.measure_each_pass(args, lab, 2, 29500)
+    probe = ["--link", str(sv.probe_file(out, 2, "200mbit", 0))]
+    assert order[:6] == [
+        ("rate", 200_000_000),
+        ("probe", "probe_2_200mbit_r1.json"),
+        ("one node", "one_node_0.8_200mbit_r1_none_1"),
+        ("job", "none", 1),
+        ("command", "one_node_0.8_200mbit_r1_none_1", ("none", 1), probe),
+        ("one node", "one_node_0.8_200mbit_r1_none_25"),
+    ]
+    # Every job of the reduced grid, each between its own one-node run and its command.
+    assert [e for e in order if e[0] == "job"] == [("job", h, b) for h, b in sv.grid(False)]
+    assert sum(e[0] == "probe" for e in order) == 1
+
+    # The report: each job against the command fed its own one-node run.
+    for (hook, bucket), (fed_step, predicted, measured) in {
+        ("none", 1): (1.0, 2.0, 2.1),
+        ("powersgd", 25): (1.3, 1.3, 1.25),
+    }.items():
+        folder = sv.block_folder(out, 0.8, "200mbit", 0, (hook, bucket))
+        folder.mkdir(parents=True)
+        (folder / "results.json").write_text(json.dumps({"step_time_median_s": fed_step}))
+        # Both commands print both settings; only the job's own line counts for it.
+        lines = [
+            f"nodes=2 hook={h} bucket_cap_mb={b} compute 0.500 s exposed comm 0.100 s "
+            f"data wait 0.001 s predicted step time: {predicted if h == hook else 9.0:.3f} s"
+            for h, b in (("none", 1), ("powersgd", 25))
+        ]
+        lines += [
+            f"measured: step {fed_step:.3f} s (forward 0.200, backward 0.300, rest 0.010, data "
+            "wait 0.010), 42.6 MiB of gradients, 1 device(s) per node; link: float32 200mbit",
+            "hook compute per step (probe): none 0 ms, powersgd 60 ms",
+            "recommended at nodes=2: strategy.comm_hook=powersgd strategy.bucket_cap_mb=25 (...)",
+        ]
+        sv.predicted_file(out, 2, "200mbit", 0, (hook, bucket)).write_text("\n".join(lines) + "\n")
+        job = sv.job_folder(out, 2, "200mbit", hook, bucket, 0)
+        job.mkdir(parents=True)
+        (job / "results.json").write_text(
+            json.dumps({"world_size": 2, "step_time_median_s": measured})
+        )
+    proc = run_script(
+        "scaling_validation.py",
+        *("--nodes", "2", "--rates", "200mbit", "--repeats", "1", "--feed", "job"),
+        *("--out", str(out), "--report-only"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "| 2 x 0.8 | 200mbit | none | 1 | pass 1 | 2.100 | 2.000 | -4.8% |" in proc.stdout
+    assert "| 2 x 0.8 | 200mbit | powersgd | 25 | pass 1 | 1.250 | 1.300 | +4.0% |" in proc.stdout
+    assert "| 2 (pass 1) | 200mbit | powersgd 25 (1.250) | powersgd 25 (1.250) | +0.0% |" in (
+        proc.stdout
+    )
+    assert (
+        "- 2 nodes, 200mbit, pass 1, powersgd 25: 1 one-node run 1.300 s (spread 0%); the "
+        "command was fed one_node_0.8_200mbit_r1_powersgd_25"
+    ) in proc.stdout
+
+
 def test_the_validation_report_of_a_folder_without_its_predictions_says_so(tmp_path: Path) -> None:
     """`--report-only` where nothing was measured with those --nodes/--rates/--feed (here a
     grid measured with --feed each, reported with the default): one paragraph, exit 2, no
