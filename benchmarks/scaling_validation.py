@@ -835,12 +835,13 @@ def block_of(
     fraction = fraction_for(nodes, args.total_cores)
     for hook, bucket in grid(args.full):
         # The command's output and the one-node run it was fed: with --feed job this job's
-        # own, else the block's.
-        own_path, reference = (block.get("by_setting") or {}).get(
-            (hook, bucket), (path, block["reference"])
-        )
-        if "by_setting" in block and (hook, bucket) not in block["by_setting"]:
-            continue
+        # own (a job without one is not judged), else the block's.
+        if "by_setting" in block:
+            if (hook, bucket) not in block["by_setting"]:
+                continue
+            own_path, reference = block["by_setting"][(hook, bucket)]
+        else:
+            own_path, reference = path, block["reference"]
         own = predictions(own_path)
         parts, assumed_cpu = predicted_parts(own_path), predicted_cpu(own_path)
         reference_forward = one_node_forward(own_path)

@@ -545,6 +545,24 @@ def test_the_validation_reports_each_pass_and_the_machines_speed_then(tmp_path: 
     assert sv.pass_lines(SimpleNamespace(**{**vars(args), "repeats": 1}), rows, []) == []
 
 
+def command_output(predicted: dict[str, float], fed_step: float, powersgd_ms: int) -> str:
+    """What `python -m ddp_template.tools.scaling` prints for 2 nodes at 200 Mbit/s: a
+    prediction for `none` at 1 MiB and PowerSGD at 25 MiB (`predicted`, by hook), the fed
+    run's step, the hook probe and a recommendation of PowerSGD."""
+    lines = [
+        f"nodes=2 hook={hook} bucket_cap_mb={bucket} compute 0.500 s exposed comm 0.100 s "
+        f"data wait 0.001 s predicted step time: {predicted[hook]:.3f} s"
+        for hook, bucket in (("none", 1), ("powersgd", 25))
+    ]
+    lines += [
+        f"measured: step {fed_step:.3f} s (forward 0.200, backward 0.300, rest 0.010, data wait "
+        "0.010), 42.6 MiB of gradients, 1 device(s) per node; link: float32 200mbit",
+        f"hook compute per step (probe): none 0 ms, powersgd {powersgd_ms} ms",
+        "recommended at nodes=2: strategy.comm_hook=powersgd strategy.bucket_cap_mb=25 (...)",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def test_the_validation_feeds_each_pass_its_own_one_node_run(tmp_path: Path) -> None:
     """`--feed each`: every pass and rate is a block (its one-node runs, that rate's jobs,
     the command fed the block's median run); each prediction is set against its own block's
@@ -562,18 +580,9 @@ def test_the_validation_feeds_each_pass_its_own_one_node_run(tmp_path: Path) -> 
         block.mkdir(parents=True)
         (block / "results.json").write_text(json.dumps({"step_time_median_s": step}))
         (block / sv.SPEED_FILE).write_text(json.dumps({"rounds_per_cpu_s": speed}))
-        lines = [
-            f"nodes=2 hook={hook} bucket_cap_mb={bucket} compute 0.500 s exposed comm 0.100 s "
-            f"data wait 0.001 s predicted step time: {predicted[hook]:.3f} s"
-            for hook, bucket in (("none", 1), ("powersgd", 25))
-        ]
-        lines += [
-            f"measured: step {step:.3f} s (forward 0.200, backward 0.300, rest 0.010, data wait "
-            "0.010), 42.6 MiB of gradients, 1 device(s) per node; link: float32 200mbit",
-            f"hook compute per step (probe): none 0 ms, powersgd {60 * (repeat + 1)} ms",
-            "recommended at nodes=2: strategy.comm_hook=powersgd strategy.bucket_cap_mb=25 (...)",
-        ]
-        sv.predicted_file(out, 2, "200mbit", repeat).write_text("\n".join(lines) + "\n")
+        sv.predicted_file(out, 2, "200mbit", repeat).write_text(
+            command_output(predicted, step, 60 * (repeat + 1))
+        )
     for (hook, bucket, repeat), (step, speed) in {
         ("none", 1, 0): (2.1, 98.0),
         ("powersgd", 25, 0): (1.05, 100.0),
@@ -710,18 +719,10 @@ def test_the_validation_feeds_each_job_its_own_one_node_run(monkeypatch, tmp_pat
         folder.mkdir(parents=True)
         (folder / "results.json").write_text(json.dumps({"step_time_median_s": fed_step}))
         # Both commands print both settings; only the job's own line counts for it.
-        lines = [
-            f"nodes=2 hook={h} bucket_cap_mb={b} compute 0.500 s exposed comm 0.100 s "
-            f"data wait 0.001 s predicted step time: {predicted if h == hook else 9.0:.3f} s"
-            for h, b in (("none", 1), ("powersgd", 25))
-        ]
-        lines += [
-            f"measured: step {fed_step:.3f} s (forward 0.200, backward 0.300, rest 0.010, data "
-            "wait 0.010), 42.6 MiB of gradients, 1 device(s) per node; link: float32 200mbit",
-            "hook compute per step (probe): none 0 ms, powersgd 60 ms",
-            "recommended at nodes=2: strategy.comm_hook=powersgd strategy.bucket_cap_mb=25 (...)",
-        ]
-        sv.predicted_file(out, 2, "200mbit", 0, (hook, bucket)).write_text("\n".join(lines) + "\n")
+        steps = {h: predicted if h == hook else 9.0 for h in ("none", "powersgd")}
+        sv.predicted_file(out, 2, "200mbit", 0, (hook, bucket)).write_text(
+            command_output(steps, fed_step, 60)
+        )
         job = sv.job_folder(out, 2, "200mbit", hook, bucket, 0)
         job.mkdir(parents=True)
         (job / "results.json").write_text(
